@@ -1,0 +1,352 @@
+"""Tests for dptta.py: every claim against an independent oracle (closed form,
+high-precision arithmetic, a plain per-sample loop, Monte Carlo, the paper)."""
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import timm
+import torch
+import torch.nn as nn
+from scipy import integrate
+
+import dptta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+K = 10  # classes of the tiny models
+
+
+def tiny_vit(dtype=torch.float32, depth=4, seed=0):
+    torch.manual_seed(seed)
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                          depth=depth, embed_dim=32, num_heads=2, num_classes=K)
+    # a random head gives near-uniform predictions; scale it so that filters and weights vary
+    with torch.no_grad():
+        m.head.weight.mul_(30)
+    return m.to(dtype).eval()
+
+
+def tiny_convnext(dtype=torch.float32):
+    torch.manual_seed(0)
+    return timm.create_model("convnext_tiny", pretrained=False, depths=(1, 1, 1, 1), dims=(8, 8, 16, 16),
+                             num_classes=K).to(dtype).eval()
+
+
+def images(n, seed=1, dtype=torch.float32):
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def loop_grads(model, names, loss_fn, x, ctx=None):
+    """The oracle: one ordinary backward per sample."""
+    params = dict(model.named_parameters())
+    out = {n: [] for n in names}
+    for i in range(len(x)):
+        ps = [params[n] for n in names]
+        for p in ps:
+            p.requires_grad_(True)
+        loss = loss_fn(model(x[i:i + 1]), None if ctx is None else ctx[i:i + 1]).sum()
+        for n, g in zip(names, torch.autograd.grad(loss, ps)):
+            out[n].append(g)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def kw(method, **extra):
+    base = dict(eps=5.0, clip=1.0, lr=1e-2) if method.startswith("dp_") else dict(lr=1e-2)
+    if method == "source":
+        base = {}
+    if method in ("deyo", "deyo_come"):  # random weights: let every sample through DeYO's filters
+        base.update(deyo_margin=2.0, plpd_threshold=-1.0)
+    base.update(extra)
+    return base
+
+
+# ----------------------------------------------------------------------------
+# Accountant
+
+PAPER_SIGMA = {20: 0.6186, 15: 0.777, 10: 1.084, 5: 1.966, 1: 8.594}
+EXACT_SIGMA = {20: 0.6182, 15: 0.7763, 10: 1.0822, 5: 1.9601, 1: 8.4494}  # the μ-GDP inverse, 4 digits
+
+
+def delta_mp(eps, sigma):
+    """δ(ε) in 60-digit arithmetic, straight from the formula."""
+    import mpmath
+    mpmath.mp.dps = 60
+    Phi = lambda t: mpmath.ncdf(t)
+    e, s = mpmath.mpf(eps), mpmath.mpf(sigma)
+    return float(Phi(-s * e / 2 + 1 / s) - mpmath.exp(e) * Phi(-s * e / 2 - 1 / s))
+
+
+def delta_plrv(eps, sigma):
+    """δ(ε) = E[(1 − e^{ε−L})₊], L ~ N(μ²/2, μ²) the privacy loss of μ-GDP, by quadrature."""
+    mu = 2 / sigma
+    dens = lambda l: math.exp(-(l - mu * mu / 2) ** 2 / (2 * mu * mu)) / (mu * math.sqrt(2 * math.pi))
+    return integrate.quad(lambda l: (1 - math.exp(eps - l)) * dens(l), eps, eps + 40 * mu, epsabs=1e-14)[0]
+
+
+def test_paper_sigmas_meet_delta_and_calibration_is_tight():
+    for eps, s_paper in PAPER_SIGMA.items():
+        assert dptta.gdp_delta(eps, s_paper) <= 1e-6
+        s = dptta.calibrate_sigma(eps, 1e-6)
+        assert s <= s_paper and s >= 0.98 * s_paper
+        assert s == pytest.approx(EXACT_SIGMA[eps], abs=1e-4)
+        assert dptta.gdp_delta(eps, s) <= 1e-6 <= dptta.gdp_delta(eps, s * (1 - 1e-8))
+
+
+@pytest.mark.parametrize("eps,sigma", [(1, 8.45), (5, 1.96), (0.5, 3.0), (2.0, 1.5), (0.01, 1.0)])
+def test_gdp_delta_matches_privacy_loss_quadrature(eps, sigma):
+    assert dptta.gdp_delta(eps, sigma) == pytest.approx(delta_plrv(eps, sigma), rel=1e-6, abs=1e-15)
+
+
+def test_gdp_delta_matches_high_precision_over_the_whole_range():
+    pytest.importorskip("mpmath")
+    for sigma in (0.3, 0.7, 2.0, 8.0, 50.0):
+        for eps in (0.01, 0.5, 3.0, 15.0, 50.0):
+            want, got = delta_mp(eps, sigma), dptta.gdp_delta(eps, sigma)
+            assert got >= 0 and math.isfinite(got)
+            if want > 1e-300:
+                assert got == pytest.approx(want, rel=1e-7), (eps, sigma)
+
+
+def test_accountant_is_monotone_and_round_trips():
+    eps = np.geomspace(0.01, 50, 40)
+    for sigma in (0.5, 2.0, 10.0):
+        d = [dptta.gdp_delta(e, sigma) for e in eps]
+        assert all(a >= b for a, b in zip(d, d[1:]))
+    sig = np.geomspace(0.3, 50, 40)
+    d = [dptta.gdp_delta(1.0, s) for s in sig]
+    assert all(a >= b for a, b in zip(d, d[1:]))
+    for e in (0.1, 1.0, 5.0, 20.0, 50.0):
+        for delta in (1e-3, 1e-6, 1e-10):
+            s = dptta.calibrate_sigma(e, delta)
+            assert dptta.gdp_epsilon(s, delta) == pytest.approx(e, rel=1e-7)
+    assert dptta.calibrate_sigma(math.inf, 1e-6) == 0.0
+    assert dptta.gdp_epsilon(0.0, 1e-6) == math.inf
+
+
+@pytest.mark.parametrize("call", [
+    lambda: dptta.calibrate_sigma(0, 1e-6), lambda: dptta.calibrate_sigma(-1, 1e-6),
+    lambda: dptta.calibrate_sigma(float("nan"), 1e-6), lambda: dptta.calibrate_sigma(1, 0),
+    lambda: dptta.calibrate_sigma(1, 1), lambda: dptta.calibrate_sigma(1, float("nan")),
+    lambda: dptta.gdp_epsilon(1.0, 1.5), lambda: dptta.gdp_delta(float("nan"), 1.0),
+    lambda: dptta.gdp_epsilon(-1.0, 1e-6)])
+def test_bad_privacy_arguments_raise_one_line_value_errors(call):
+    with pytest.raises(ValueError) as e:
+        call()
+    assert "\n" not in str(e.value) and ("eps" in str(e.value) or "delta" in str(e.value) or "sigma" in str(e.value))
+
+
+# ----------------------------------------------------------------------------
+# Adapted parameters
+
+def test_adaptable_params_vit_all_norms_and_skip_top():
+    m = tiny_vit(depth=5)
+    names = dptta.adaptable_params(m)
+    norms = [n for n, mod in m.named_modules() if isinstance(mod, nn.LayerNorm)]
+    assert sorted(names) == sorted(f"{n}.{w}" for n in norms for w in ("weight", "bias"))
+    assert len(names) == 2 * (2 * 5 + 1)
+    top = dptta.adaptable_params(m, skip_top=True)  # blocks 0..1 of 5, no final norm
+    assert sorted({n.split(".")[1] for n in top}) == ["0", "1"] and all(n.startswith("blocks.") for n in top)
+
+
+def test_adaptable_params_convnext_includes_layernorm2d_and_skips_last_stage():
+    m = tiny_convnext()
+    names = dptta.adaptable_params(m)
+    ln2d = [n for n, mod in m.named_modules() if isinstance(mod, timm.layers.LayerNorm2d)]
+    assert ln2d and all(f"{n}.weight" in names for n in ln2d)
+    top = dptta.adaptable_params(m, skip_top=True)
+    assert "stem.1.weight" in top and not any(n.startswith(("stages.3", "head")) for n in top)
+
+
+def test_batchnorm_model_is_refused_for_private_adaptation():
+    m = timm.create_model("resnet18", pretrained=False, num_classes=K)
+    with pytest.raises(ValueError, match="BatchNorm.*mixes"):
+        dptta.DPTTA(m, "dp_tent", eps=5, clip=1, lr=1e-3)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        dptta.adaptable_params(m)
+
+
+# ----------------------------------------------------------------------------
+# Per-sample gradients
+
+@pytest.mark.parametrize("make", [tiny_vit, tiny_convnext])
+def test_per_sample_grads_equal_a_plain_loop(make):
+    m = make(torch.float64)
+    x = images(5, dtype=torch.float64)
+    params = dptta.adaptable_params(m)
+    loss = lambda z, c: dptta.entropy(z)
+    g, logits = dptta.per_sample_grads(m, params, loss, x)
+    want = loop_grads(m, list(params), loss, x)
+    assert set(g) == set(want)
+    for n in want:
+        torch.testing.assert_close(g[n], want[n], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(logits, m(x), rtol=1e-12, atol=1e-12)
+    g8, _ = dptta.per_sample_grads(m, params, loss, x, chunk_size=2)
+    for n in want:
+        torch.testing.assert_close(g8[n], want[n], rtol=1e-9, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------
+# Clipping and noise
+
+def grads_of_norms(norms, shapes=((3,), (2, 2))):
+    """Per-sample gradients spread over two tensors with the given joint norms."""
+    g = torch.randn(len(norms), sum(math.prod(s) for s in shapes), dtype=torch.float64)
+    g = g / g.norm(dim=1, keepdim=True) * torch.tensor(norms, dtype=torch.float64)[:, None]
+    out, at = {}, 0
+    for i, s in enumerate(shapes):
+        out[f"t{i}"] = g[:, at:at + math.prod(s)].reshape(len(norms), *s)
+        at += math.prod(s)
+    return out, g
+
+
+def test_clip_closed_form():
+    C = 1.5
+    g, flat = grads_of_norms([0.5, 1.5, 3.0, 30.0])
+    out = dptta.clip_and_noise(g, C, 0.0, torch.Generator())
+    # by hand: clipped to norm min(‖g‖, C), same direction, then the mean
+    want = (flat * torch.tensor([1.0, 1.0, 0.5, 0.05], dtype=torch.float64)[:, None]).sum(0) / 4
+    got = torch.cat([out["t0"].flatten(), out["t1"].flatten()])
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-7)
+    assert out["t0"].dtype == torch.float32
+    for i in range(4):  # one sample at a time: its clipped contribution has norm min(‖g‖, C)
+        one = dptta.clip_and_noise({n: t[i:i + 1] for n, t in g.items()}, C, 0.0, torch.Generator())
+        norm = torch.cat([t.flatten() for t in one.values()]).norm().item()
+        assert norm == pytest.approx(min([0.5, 1.5, 3.0, 30.0][i], C), rel=1e-6)
+
+
+def test_noise_std_independence_and_seed():
+    C, sigma, B, T = 2.0, 1.5, 8, 4000
+    g = {"a": torch.zeros(B, 30), "b": torch.zeros(B, 3, 10)}
+    gen = torch.Generator().manual_seed(3)
+    draws = [dptta.clip_and_noise(g, C, sigma, gen) for _ in range(T // 80)]
+    a = torch.cat([d["a"].flatten() for d in draws])
+    b = torch.cat([d["b"].flatten() for d in draws])
+    want = sigma * C / B  # noise on the sum, then divided by B
+    for v in (a, b):
+        assert v.std().item() == pytest.approx(want, rel=0.05)
+        assert abs(v.mean().item()) < 4 * want / math.sqrt(len(v))
+    assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 4 / math.sqrt(len(a))  # tensors draw independently
+    x = dptta.clip_and_noise(g, C, sigma, torch.Generator().manual_seed(7))
+    y = dptta.clip_and_noise(g, C, sigma, torch.Generator().manual_seed(7))
+    assert all(torch.equal(x[n], y[n]) for n in x)
+
+
+def test_neighbouring_releases_are_mu_gdp_by_monte_carlo():
+    """Replace one sample by its opposite: the release moves by 2C/B and the noise is σC/B: μ = 2/σ."""
+    C, sigma, B, T = 1.0, 2.0, 4, 20000
+    base, _ = grads_of_norms([5.0, 0.3, 2.0, 7.0], shapes=((6,),))
+    other = {"t0": base["t0"].clone()}
+    other["t0"][0] *= -1
+    u = base["t0"][0] / base["t0"][0].norm()
+    gen = torch.Generator().manual_seed(0)
+    proj = lambda d: torch.stack([(dptta.clip_and_noise(d, C, sigma, gen)["t0"].double() * u).sum()
+                                  for _ in range(T)])
+    p0, p1 = proj(base), proj(other)
+    mu = (p0.mean() - p1.mean()) / p0.std()
+    assert mu.item() == pytest.approx(2 / sigma, rel=0.05)
+
+
+def test_nonfinite_sample_is_zeroed_counted_and_harmless():
+    g, _ = grads_of_norms([0.5, 2.0, 3.0])
+    bad = {n: t.clone() for n, t in g.items()}
+    bad["t1"][1, 0, 0] = float("nan")
+    stats = {}
+    out = dptta.clip_and_noise(bad, 1.0, 0.0, torch.Generator(), stats)
+    rest = dptta.clip_and_noise({n: t[[0, 2]] for n, t in g.items()}, 1.0, 0.0, torch.Generator())
+    for n in out:  # the others' contribution is untouched; the divisor is still B = 3
+        torch.testing.assert_close(out[n], rest[n] * 2 / 3)
+    assert int(stats["nonfinite"]) == 1
+
+
+# ----------------------------------------------------------------------------
+# Losses
+
+def test_entropy_and_come_against_naive_formulas():
+    z = torch.randn(6, K, dtype=torch.float64) * 3
+    p = z.softmax(-1)
+    torch.testing.assert_close(dptta.entropy(z).double(), -(p * p.log()).sum(-1), rtol=1e-6, atol=1e-6)
+    zz = z.clone().requires_grad_()
+    e = torch.exp(z)  # the Dirichlet opinion, literally: b = e/(Σe + K), u = K/(Σe + K)
+    S = e.sum(-1, keepdim=True) + K
+    q = torch.cat([e / S, K / S], -1) + 1e-7
+    torch.testing.assert_close(dptta.come_entropy(zz).double(), -(q * q.log()).sum(-1), rtol=1e-5, atol=1e-6)
+    g, = torch.autograd.grad(dptta.come_entropy(zz).sum(), zz)
+    assert (g * z).sum(-1).abs().max().item() < 1e-5  # no radial component: the norm is not pushed
+
+
+def test_patch_shuffle_permutes_patches_per_image_seeded():
+    x = torch.arange(2 * 3 * 16 * 16, dtype=torch.float32).reshape(2, 3, 16, 16)
+    x = torch.cat([x, x])  # two identical pairs: permutations must still differ per image
+    y = dptta.patch_shuffle(x, 4, torch.Generator().manual_seed(0))
+    patches = lambda t: t.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(len(t), 16, -1)
+    px, py = patches(x), patches(y)
+    for i in range(4):
+        rows_x = sorted(map(tuple, px[i].tolist()))
+        assert rows_x == sorted(map(tuple, py[i].tolist()))  # same patches, same pixels
+        assert not torch.equal(px[i], py[i])
+    assert not torch.equal(y[0], y[2])
+    assert torch.equal(y, dptta.patch_shuffle(x, 4, torch.Generator().manual_seed(0)))
+
+
+# ----------------------------------------------------------------------------
+# The adapter
+
+def test_dp_tent_without_noise_and_huge_clip_equals_tent():
+    m1, m2 = tiny_vit(), tiny_vit()
+    x1, x2 = images(8, 1), images(8, 2)
+    a = dptta.DPTTA(m1, "dp_tent", eps=math.inf, clip=1e9, lr=0.05)
+    names = dptta.adaptable_params(m2)
+    for p in m2.parameters():
+        p.requires_grad_(False)
+    params = [dict(m2.named_parameters())[n].requires_grad_(True) for n in names]
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    for x in (x1, x2):
+        with torch.no_grad():
+            before = m2(x)
+        got = a(x)
+        torch.testing.assert_close(got, before)  # the prediction comes before the update
+        opt.zero_grad()
+        dptta.entropy(m2(x)).mean().backward()
+        opt.step()
+        for n, p in a.params.items():
+            torch.testing.assert_close(p, dict(m2.named_parameters())[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", dptta.METHODS)
+def test_every_method_predicts_first_resets_and_is_deterministic(method):
+    m = tiny_vit()
+    a = dptta.DPTTA(m, method, **kw(method))
+    start = copy.deepcopy(m.state_dict())
+    xs = [images(8, s) for s in range(3)]
+    for x in xs:
+        with torch.no_grad():
+            want = copy.deepcopy(m)(x)
+        torch.testing.assert_close(a(x), want)
+    if method != "source":
+        assert any(not torch.equal(start[n], p) for n, p in a.params.items()), "no adaptation happened"
+        a.reset()
+        assert all(torch.equal(start[n], t) for n, t in m.state_dict().items())
+        assert not a.opt.state and a.m is None and a.ema is None and a.g_prev is None
+    # seeded runs are bit-identical on CPU
+    runs = []
+    for _ in range(2):
+        m2 = tiny_vit()
+        b = dptta.DPTTA(m2, method, **kw(method, seed=5))
+        outs = [b(x) for x in xs]
+        runs.append((outs, m2.state_dict()))
+    assert all(torch.equal(u, v) for u, v in zip(runs[0][0], runs[1][0]))
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+
+
+def test_reset_does_not_rewind_the_noise():
+    a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=1, clip=1.0, lr=0.1)
+    x = images(4)
+    a(x)
+    first = {n: p.detach().clone() for n, p in a.params.items()}
+    a.reset()
+    a(x)
+    assert not all(torch.equal(first[n], p) for n, p in a.params.items())
