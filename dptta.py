@@ -511,7 +511,7 @@ def fisher_information(model, params, images, n=2000):
         logits = functional_call(model, p, (x,))
         g = torch.autograd.grad(F.cross_entropy(logits, logits.argmax(1)), list(p.values()))
         for k, t in zip(p, g):
-            fisher[k] += t.float() ** 2
+            fisher[k] += t ** 2
         batches, seen = batches + 1, seen + len(x)
         if seen >= n:
             break

@@ -350,3 +350,185 @@ def test_reset_does_not_rewind_the_noise():
     a.reset()
     a(x)
     assert not all(torch.equal(first[n], p) for n, p in a.params.items())
+
+
+# ----------------------------------------------------------------------------
+# Method hooks: filters, Fisher penalty, SAM / DP-SAT, weighted per-sample losses
+
+def logits_with(classes_and_confidence):
+    """Hand-made logits: (class, logit gap) per row; gap 0 = uniform."""
+    z = torch.zeros(len(classes_and_confidence), K)
+    for i, (c, gap) in enumerate(classes_and_confidence):
+        z[i, c] = gap
+    return z
+
+
+def np_entropy(z):
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    return -(p * np.log(p)).sum(1)
+
+
+def test_sar_filter_keeps_exactly_the_reliable_samples():
+    a = dptta.DPTTA(tiny_vit(), "sar", lr=1e-3)
+    z = logits_with([(0, 12.0), (1, 0.0), (2, 5.0), (3, 2.0)])
+    want = np_entropy(z.numpy()) < 0.4 * math.log(K)
+    assert want.tolist() == [True, False, True, False]
+    assert a._keep(z, None, None).tolist() == want.tolist()
+    assert a._keep(z, None, torch.tensor([False, True, True, True])).tolist() == [False, False, True, False]
+
+
+def test_eata_filters_reliable_and_non_redundant_and_updates_m():
+    a = dptta.DPTTA(tiny_vit(), "eata", lr=1e-3)
+    z = logits_with([(0, 12.0), (5, 12.0), (5, 0.5), (7, 12.0)])
+    assert a._keep(z, None, None).tolist() == [True, True, False, True]  # no m yet: reliability only
+    p = z.softmax(-1)
+    torch.testing.assert_close(a.m, p[[0, 1, 3]].mean(0))
+    a.m = logits_with([(0, 20.0)]).softmax(-1)[0]  # the recent average: class 0
+    m_before = a.m.clone()
+    assert a._keep(z, None, None).tolist() == [False, True, False, True]  # class 0 again is redundant
+    torch.testing.assert_close(a.m, 0.9 * m_before + 0.1 * p[[1, 3]].mean(0))
+
+
+def test_deyo_filter_entropy_and_plpd():
+    a = dptta.DPTTA(tiny_vit(), "deyo", lr=1e-3)
+    z = logits_with([(0, 12.0), (1, 12.0), (2, 0.0), (3, 12.0)])
+    p = z.softmax(-1)
+    shuffled = p.clone()
+    shuffled[0] = torch.full((K,), 1 / K)         # PLPD ≈ 1: shape mattered, keep
+    shuffled[1] = p[1]                              # PLPD = 0: prediction survives shuffling, drop
+    shuffled[3] = 0.85 * p[3] + 0.15 / K            # PLPD ≈ 0.15 < 0.2, drop
+    assert a._keep(z, shuffled, None).tolist() == [True, False, False, False]
+    a.hp["plpd_threshold"] = 0.1
+    assert a._keep(z, shuffled, None).tolist() == [True, False, False, True]
+
+
+def test_no_survivor_no_step_no_momentum_drift():
+    for method in ("eata", "sar"):
+        a = dptta.DPTTA(tiny_vit(), method, lr=0.5, e_margin=10.0)
+        a(images(8, 1))
+        after_first = {n: p.detach().clone() for n, p in a.params.items()}
+        a.hp["e_margin"] = 0.0  # nothing is reliable now
+        a(images(8, 2))
+        assert all(torch.equal(after_first[n], p) for n, p in a.params.items())
+
+
+@pytest.mark.parametrize("method", ["dp_eata", "dp_deyo", "dp_deyo_come", "dp_come"])
+def test_weighted_per_sample_losses_equal_a_plain_loop(method):
+    m = tiny_vit(torch.float64)
+    a = dptta.DPTTA(m, method, eps=5, clip=1.0, lr=1e-3)
+    x = images(5, dtype=torch.float64)
+    ctx = a._shuffled_probs(x).double() if "deyo" in method else None
+    g, _ = dptta.per_sample_grads(m, a.params, a.loss, x, ctx)
+    want = loop_grads(m, list(a.params), a.loss, x, ctx)
+    for n in want:
+        torch.testing.assert_close(g[n], want[n], rtol=1e-8, atol=1e-11)
+    # the per-sample loss itself, by hand: w·H with w = exp(E0 − H) (+ exp(PLPD) for DeYO)
+    z = m(x).detach().numpy()
+    p = np.exp(z - z.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    if "come" in method:
+        e = np.exp(z)
+        q = np.concatenate([e, np.full((len(z), 1), K)], 1) / (e.sum(1, keepdims=True) + K) + 1e-7
+        H = -(q * np.log(q)).sum(1)
+    else:
+        H = -(p * np.log(p)).sum(1)
+    w = np.exp(0.4 * math.log(K) - H) if method != "dp_come" else np.ones_like(H)
+    if "deyo" in method:
+        y = p.argmax(1)
+        w = w + np.exp(p[np.arange(len(z)), y] - ctx.numpy()[np.arange(len(z)), y])
+    np.testing.assert_allclose(a.loss(torch.from_numpy(z), ctx).numpy(), w * H, rtol=1e-6)
+
+
+def test_fisher_penalty_is_added_outside_the_clip():
+    lam, lr, C = 2000.0, 0.01, 0.1
+    clean = [images(8, 10, torch.float64), images(8, 11, torch.float64)]
+
+    def make(fisher):
+        m = tiny_vit(torch.float64)
+        a = dptta.DPTTA(m, "dp_eata", eps=5, clip=C, lr=lr, seed=3, fisher_lambda=lam,
+                        fisher_data=clean if fisher else None)
+        with torch.no_grad():  # move θ away from θ0 so that the penalty pulls
+            for p in a.params.values():
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
+        return a
+
+    a, b = make(True), make(False)
+    # F by hand: mean over the two batches of the squared gradient of CE against the own argmax
+    ref = tiny_vit(torch.float64)
+    want_F = {n: 0 for n in a.params}
+    for x in clean:
+        ref.zero_grad()
+        out = ref(x)
+        nn.functional.cross_entropy(out, out.argmax(1)).backward()
+        for n, p in ref.named_parameters():
+            if n in want_F:
+                want_F[n] = want_F[n] + p.grad ** 2 / 2
+    for n in a.params:
+        torch.testing.assert_close(a.fisher[n], want_F[n], rtol=1e-9, atol=1e-15)
+    theta = {n: p.detach().clone() for n, p in a.params.items()}
+    x = images(8, 4, torch.float64)
+    a(x), b(x)  # same seed, same noise: they differ only by the penalty
+    pen = {n: 2 * lam * a.fisher[n] * (theta[n] - a.theta0[n]) for n in a.params}
+    for n in a.params:
+        torch.testing.assert_close(a.params[n] - b.params[n], -lr * pen[n], rtol=1e-6, atol=1e-9)
+    assert torch.cat([t.flatten() for t in pen.values()]).norm() > C  # not bounded by the clip
+
+
+def grad_at(model, names, x, shift=None):
+    """Mean entropy gradient at θ + shift, by a plain backward on a copy."""
+    m = copy.deepcopy(model)
+    params = dict(m.named_parameters())
+    with torch.no_grad():
+        for n in shift or {}:
+            params[n].add_(shift[n])
+    for n in names:
+        params[n].requires_grad_(True)
+    return dict(zip(names, torch.autograd.grad(dptta.entropy(m(x)).mean(), [params[n] for n in names])))
+
+
+def unit(g, rho):
+    norm = torch.sqrt(sum((t ** 2).sum() for t in g.values()))
+    return {n: rho * t / norm for n, t in g.items()}
+
+
+def test_sar_is_real_sam_from_theta():
+    m = tiny_vit()
+    a = dptta.DPTTA(m, "sar", lr=0.1, e_margin=10.0, rho=0.05)  # every sample reliable
+    x = images(8)
+    theta = {n: p.detach().clone() for n, p in a.params.items()}
+    ref = copy.deepcopy(m)
+    g2 = grad_at(ref, list(a.params), x, unit(grad_at(ref, list(a.params), x), 0.05))
+    a(x)
+    for n in a.params:
+        torch.testing.assert_close(a.params[n], theta[n] - 0.1 * g2[n], rtol=1e-4, atol=1e-6)
+
+
+def test_sar_recovery_resets_model_optimizer_and_ema():
+    a = dptta.DPTTA(tiny_vit(), "sar", lr=0.1, e_margin=10.0, reset_ema=1e9)
+    a(images(8))
+    assert all(torch.equal(p, a.theta0[n]) for n, p in a.params.items())
+    assert not a.opt.state and a.ema is None
+
+
+def test_dp_sat_ascends_along_the_previous_private_gradient():
+    m = tiny_vit()
+    a = dptta.DPTTA(m, "dp_sar", eps=math.inf, clip=1e9, lr=0.1, rho=0.05)
+    x = images(8)
+    known = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) for n, p in a.params.items()}
+    a.g_prev = known
+    theta = {n: p.detach().clone() for n, p in a.params.items()}
+    ref = copy.deepcopy(m)
+    with torch.no_grad():
+        want_pred = ref(x)
+    g = grad_at(ref, list(a.params), x, unit(known, 0.05))
+    pred = a(x)
+    torch.testing.assert_close(pred, want_pred)  # predicted at θ, not at the perturbed point
+    for n in a.params:
+        torch.testing.assert_close(a.params[n], theta[n] - 0.1 * g[n], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a.g_prev[n], g[n], rtol=1e-4, atol=1e-6)  # the next ascent direction
+    fresh = dptta.DPTTA(tiny_vit(), "dp_sar", eps=math.inf, clip=1e9, lr=0.1)
+    g0 = grad_at(tiny_vit(), list(fresh.params), x)  # step 1: no previous gradient, no ascent
+    fresh(x)
+    for n in fresh.params:
+        torch.testing.assert_close(fresh.g_prev[n], g0[n], rtol=1e-4, atol=1e-6)
