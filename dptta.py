@@ -516,3 +516,542 @@ def fisher_information(model, params, images, n=2000):
         if seen >= n:
             break
     return {k: f / max(batches, 1) for k, f in fisher.items()}
+
+
+# ----------------------------------------------------------------------------
+# Audit: an empirical lower bound on ε from a distinguishing game
+
+
+def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95):
+    """ε_lb from test statistics of the two neighbouring worlds (large = "canary in").
+
+    The threshold is chosen on the first half of the trials, then the false
+    positive and false negative rates on the second half get Clopper-Pearson
+    upper bounds (each at (1 − confidence)/2), so that with probability >=
+    confidence no (ε, δ)-DP mechanism produces them unless ε >= ε_lb:
+    FPR + e^ε·FNR >= 1 − δ and FNR + e^ε·FPR >= 1 − δ (Kairouz et al. 2015).
+    """
+    s_in, s_out = np.asarray(s_in, float), np.asarray(s_out, float)
+    h = min(len(s_in), len(s_out)) // 2
+
+    def eps_of(fp, fn, n, alpha=None):
+        if alpha is None:  # point estimate with add-one counts, for choosing the threshold
+            fpr, fnr = (fp + 1) / (n + 2), (fn + 1) / (n + 2)
+        else:  # Clopper-Pearson upper bounds
+            fpr = stats.beta.ppf(1 - alpha, fp + 1, n - fp) if fp < n else 1.0
+            fnr = stats.beta.ppf(1 - alpha, fn + 1, n - fn) if fn < n else 1.0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return max(0.0, np.log((1 - delta - fnr) / fpr), np.log((1 - delta - fpr) / fnr))
+
+    # candidate thresholds: false positive rates from 1/2 down to ~10/h, where large ε shows
+    cuts = np.quantile(s_out[:h], 1 - np.geomspace(0.5, min(0.5, 10 / h), 80))
+    best = max(cuts, key=lambda t: eps_of((s_out[:h] > t).sum(), (s_in[:h] <= t).sum(), h))
+    a, b = s_in[h:2 * h], s_out[h:2 * h]
+    return eps_of((b > best).sum(), (a <= best).sum(), h, alpha=(1 - confidence) / 2)
+
+
+def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0):
+    """Play the change-one game against a private adapter; return ε_lb at `confidence`.
+
+    The worlds differ in one sample of the batch x. The attacker knows all but
+    the noise and tests the release along d = clip(g_in) − clip(g_out), the
+    optimal direction for the Gaussian mechanism.
+    White-box (no images given): the release is clip_and_noise itself, on the
+    method's per-sample gradients of x (flattened into one tensor: the same
+    joint clip) plus a canary *gradient* of norm 10·C, or its negative: the two
+    clipped gradients are 2C apart, the worst case the analysis covers.
+    End-to-end (canary and replacement images): a real DPTTA step from θ0 on
+    x + image, and the attacker sees only the adapted parameters.
+    """
+    a = adapter
+    ctx = a._shuffled_probs(x) if a.kind in ("deyo", "deyo_come") else None
+    g = per_sample_grads(a.model, a.params, a.loss, x, ctx)[0]
+    flat = torch.cat([t.flatten(1).float() for t in g.values()], 1)
+    if canary is None:
+        u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed)).to(flat.device)
+        u = 10 * a.clip * u / u.norm()
+        worlds = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)]
+        d = 2 * a.clip * u / u.norm()
+    else:
+        worlds = [torch.cat([x, img[None]]) for img in (canary, replacement)]
+        last = []
+        for w in worlds:
+            c = a._shuffled_probs(w)[-1:] if ctx is not None else None
+            gw = per_sample_grads(a.model, a.params, a.loss, w[-1:], c)[0]
+            last.append(clip_and_noise({"θ": torch.cat([t.flatten(1).float() for t in gw.values()], 1)},
+                                       a.clip, 0.0, None)["θ"])
+        d = last[0] - last[1]
+    scores = [[], []]
+    for _ in range(trials):
+        for i, w in enumerate(worlds):
+            if canary is None:
+                release = clip_and_noise(w, a.clip, a.sigma, a.noise_gen)["θ"]
+            else:
+                a.reset()
+                a(w)  # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
+                release = torch.cat([((a.theta0[n] - p.detach()) / a.lr).flatten() for n, p in a.params.items()])
+            scores[i].append(release)
+    a.reset()
+    s_in, s_out = ((torch.stack(s).double() @ d.double()).cpu().numpy() for s in scores)
+    return epsilon_lower_bound(s_in, s_out, a.delta, confidence)
+
+
+# ----------------------------------------------------------------------------
+# Data: ImageNet-C / ImageNet-R folders, labelled by WordNet id
+
+CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
+               "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
+               "jpeg_compression")
+HELD_OUT = ("speckle_noise", "gaussian_blur", "spatter", "saturate")  # for choosing hyperparameters
+LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT/<wnid>/*.jpg); "
+          "ImageNet-C is at https://zenodo.org/record/2235448")
+
+
+def _folder_class():
+    from torchvision.datasets import ImageFolder  # torchvision is slow to import: only when streaming
+
+    class WnidFolder(ImageFolder):
+        """ImageFolder whose targets are ImageNet-1k indices found by WordNet id, never by
+        enumeration (a tree with a subset of classes still scores right), and that yields
+        None for an unreadable image instead of ending a run hours in."""
+
+        def __init__(self, root, transform):
+            super().__init__(root, transform)
+            from timm.data import ImageNetInfo
+            index = {w: i for i, w in enumerate(ImageNetInfo().label_names())}
+            unknown = [c for c in self.classes if c not in index]
+            if unknown:
+                raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; {LAYOUT}")
+            self.imagenet_index = [index[c] for c in self.classes]
+
+        def __getitem__(self, i):
+            path, c = self.samples[i]
+            try:
+                return self.transform(self.loader(path)), self.imagenet_index[c]
+            except (OSError, ValueError, SyntaxError):  # PIL: truncated, corrupt, not an image
+                return None
+
+    return WnidFolder
+
+
+def collate_skipping(batch):
+    from torch.utils.data import default_collate
+    good = [b for b in batch if b is not None]
+    x, y = default_collate(good) if good else (None, None)
+    return x, y, len(batch) - len(good)
+
+
+def image_stream(folder, transform, args, limit=None):
+    """(dataset, loader): a seeded shuffle of the folder's images, first `limit` only."""
+    from torch.utils.data import DataLoader, Subset
+    ds = _folder_class()(folder, transform)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(args.seed))[:limit].tolist()
+    loader = DataLoader(Subset(ds, order), args.batch_size, num_workers=args.workers, collate_fn=collate_skipping,
+                        pin_memory=args.device == "cuda", persistent_workers=args.workers > 0)
+    return ds, loader
+
+
+class ClassSubset(nn.Module):
+    """A 1000-way model scored on some classes only (ImageNet-R: its 200)."""
+
+    def __init__(self, model, classes):
+        super().__init__()
+        self.model = model
+        self.register_buffer("classes", torch.as_tensor(classes))
+
+    def forward(self, x):
+        return self.model(x)[:, self.classes]
+
+
+def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
+    """An ImageNet-C-shaped tree of random JPEGs: n per corruption over 10 real wnids."""
+    from PIL import Image
+    from timm.data import ImageNetInfo
+    wnids, rng = ImageNetInfo().label_names()[:10], np.random.default_rng(seed)
+    for c in corruptions:
+        for i in range(n):
+            d = os.path.join(root, c, str(severity), wnids[i % len(wnids)])
+            os.makedirs(d, exist_ok=True)
+            pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(os.path.join(d, f"{i:06d}.JPEG"), quality=90)
+    return root
+
+
+# ----------------------------------------------------------------------------
+# main: stream the test set through the adapter
+
+DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
+
+
+def fail(msg):
+    """A bad input: one line on stderr, exit code 2, no traceback."""
+    print(f"dptta: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="Differentially private test-time adaptation on ImageNet-C/-R.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.error = fail  # argparse's own complaints become one line and exit 2 too
+    a = ap.add_argument
+    a("--method", default="dp_tent", choices=METHODS, help="source, an original TTA method, or its dp_ variant")
+    a("--eps", type=float, default=None, help="dp_ methods: ε per test image, inf = clip only (default 5)")
+    a("--delta", type=float, default=1e-6, help="dp_ methods: δ")
+    a("--clip", type=float, default=None, help="per-sample clip norm C; on an original = its clip-only variant "
+                                               "(default: the paper's C for dp_ methods, none for originals)")
+    a("--lr", type=float, default=None, help="SGD learning rate, momentum 0.9 (default: the paper's)")
+    a("--batch-size", type=int, default=None, help="test batch (default 64; --benchmark on CPU: 32)")
+    a("--setting", default="continual", choices=("continual", "episodic"),
+      help="continual: one model through every corruption; episodic: reset model and optimizer before each")
+    a("--data", default=os.environ.get("IMAGENET_C"), help="dataset root (default: $IMAGENET_C)")
+    a("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"), help="folder layout and label space")
+    a("--severity", type=int, default=5, help="ImageNet-C severity, 1-5")
+    a("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, streamed in this order")
+    a("--model", default=None, help=f"timm model name (default {DEFAULT_MODEL}; --benchmark on CPU: "
+                                    "vit_small_patch16_224)")
+    a("--checkpoint", default=None, help="local weights for --model (offline clusters); no download")
+    a("--fisher-data", default=None, help="EATA: clean source images (ImageNet val, <wnid>/ folders) for the Fisher")
+    a("--seed", type=int, default=0, help="data order, noise and patch shuffles")
+    a("--workers", type=int, default=min(8, os.cpu_count() or 1), help="DataLoader worker processes")
+    a("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto = cuda if available, else cpu")
+    a("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast for forward/backward on CUDA")
+    a("--limit", type=int, default=None, help="images per corruption, for quick looks")
+    a("--log-every", type=int, default=100, help="a progress line every N batches")
+    a("--out", default="results.jsonl", help="one JSON line per run is appended here")
+    a("--resume", action="store_true", help="skip the run if --out already holds one with the same settings")
+    a("--synthetic", type=int, default=None, metavar="N",
+      help="smoke run: N random images per corruption in a generated tree, random weights (chance accuracy)")
+    a("--summarize", default=None, metavar="JSONL", help="print the paper-style tables of a results file")
+    a("--benchmark", action="store_true", help="time one step of every method: non-private, clip-only, DP")
+    a("--audit", action="store_true", help="empirical ε lower bound of --method at --eps on a small model")
+    a("--trials", type=int, default=20000, help="--audit: trials per world")
+    return ap.parse_args(argv)
+
+
+def check_args(args):
+    """Validate and fill in defaults; every complaint is one line and exit 2."""
+    private = args.method.startswith("dp_")
+    if args.eps is not None and not private:
+        fail(f"--eps applies to dp_ methods only; {args.method} is not private (try dp_{args.method})")
+    if private and args.eps is None:
+        args.eps = 5.0
+    for name, v, ok, what in [("eps", args.eps, lambda v: v > 0, "> 0 (inf = clip only)"),
+                              ("delta", args.delta, lambda v: 0 < v < 1, "in (0, 1)"),
+                              ("clip", args.clip, lambda v: v > 0, "> 0"), ("lr", args.lr, lambda v: v > 0, "> 0"),
+                              ("batch-size", args.batch_size, lambda v: v >= 1, ">= 1"),
+                              ("limit", args.limit, lambda v: v >= 1, ">= 1"),
+                              ("severity", args.severity, lambda v: 1 <= v <= 5, "in 1..5")]:
+        if v is not None and not ok(v):
+            fail(f"--{name} must be {what}, got {v}")
+    args.batch_size = args.batch_size or 64
+    args.model = args.model or DEFAULT_MODEL
+    args.corruptions = [c for c in args.corruptions.split(",") if c]
+    for c in args.corruptions:
+        if c not in CORRUPTIONS + HELD_OUT:
+            fail(f"unknown corruption {c!r}; choose from {', '.join(CORRUPTIONS + HELD_OUT)}")
+    if args.dataset == "imagenet_r":
+        args.corruptions = ["imagenet_r"]
+    if args.synthetic is not None:
+        if args.synthetic < 1:
+            fail(f"--synthetic must be >= 1, got {args.synthetic}")
+        if args.corruptions == list(CORRUPTIONS):  # keep a smoke run short
+            args.corruptions = args.corruptions[:3]
+        args.data = make_synthetic_tree(tempfile.mkdtemp(prefix="dptta-synthetic-"), args.corruptions,
+                                        args.severity, args.synthetic)
+    if not args.data:
+        fail(f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
+    if not os.path.isdir(args.data):
+        fail(f"--data {args.data} is not a folder; {LAYOUT}")
+    for c in args.corruptions:
+        folder = stream_folder(args, c)
+        if not os.path.isdir(folder):
+            fail(f"missing {folder}; {LAYOUT}")
+    for flag, path in (("checkpoint", args.checkpoint), ("fisher-data", args.fisher_data)):
+        if path and not os.path.exists(path):
+            fail(f"--{flag} {path} does not exist")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but no CUDA device is visible")
+    args.device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
+def stream_folder(args, corruption):
+    return args.data if args.dataset == "imagenet_r" else os.path.join(args.data, corruption, str(args.severity))
+
+
+def build_model(args):
+    import timm
+    try:
+        model = timm.create_model(args.model, pretrained=not (args.synthetic or args.checkpoint))
+    except Exception as e:  # unknown name, no network for the weights, ...
+        fail(f"cannot build {args.model}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+             " (offline? pass --checkpoint PATH)")
+    if args.checkpoint:
+        try:
+            timm.models.load_checkpoint(model, args.checkpoint)
+        except Exception as e:  # wrong keys or shapes, not a checkpoint at all
+            fail(f"checkpoint {args.checkpoint} does not fit {args.model}: {str(e).splitlines()[0][:300]}")
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+    return model, transform
+
+
+def privacy_ledger(adapter, repeats):
+    """What is promised, to whom, in numbers."""
+    if not adapter.private:
+        return {"private": False, "clip": adapter.clip}
+    s, d = adapter.sigma, adapter.delta
+    return {"private": True, "eps": adapter.eps, "delta": d, "sigma": s, "mu": 2 / s if s else math.inf,
+            "clip": adapter.clip, "unit": "one test image, replace-one neighbours, used in one step",
+            "repeats": repeats,  # the same underlying image in `repeats` streams: μ√k, i.e. σ/√k
+            "eps_per_underlying_image": gdp_epsilon(s / math.sqrt(repeats), d) if s else math.inf}
+
+
+def append_jsonl(path, record):
+    # one write() on an O_APPEND descriptor: parallel runs never interleave their lines
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def run_key(args):
+    return {k: getattr(args, k) for k in ("method", "eps", "delta", "clip", "lr", "batch_size", "setting",
+                                          "dataset", "severity", "corruptions", "model", "seed", "limit")}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.summarize:
+        return summarize(args.summarize)
+    if args.benchmark:
+        return benchmark(args)
+    if args.audit:
+        return audit_cli(args)
+    args = check_args(args)
+    device = torch.device(args.device)
+    amp = args.amp == "bf16" and device.type == "cuda"  # bf16 autocast on CPU is slow and inexact: off
+    private = args.method.startswith("dp_")
+    C, lr, source = paper_hparams(args.method, args.eps if private else math.inf, args.setting, args.clip)
+    hp_note = {"clip": "given" if args.clip is not None else source, "lr": "given" if args.lr is not None else source}
+    args.clip = args.clip if args.clip is not None else C
+    args.lr = args.lr if args.lr is not None else lr
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as f:
+            if any(json.loads(line).get("key") == json.loads(json.dumps(run_key(args))) for line in f if line.strip()):
+                print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed} {args.setting}; skipped")
+                return 0
+    model, transform = build_model(args)
+    lookup = None
+    if args.dataset == "imagenet_r":  # score the 1000-way head on the classes present, found by wnid
+        classes = sorted(set(_folder_class()(args.data, transform).imagenet_index))
+        model = ClassSubset(model, classes)
+        lookup = torch.full((1000,), -1, dtype=torch.long)
+        lookup[classes] = torch.arange(len(classes))
+        lookup = lookup.to(device)
+    model = model.to(device)
+    if device.type == "cuda" and not hasattr(model, "blocks"):  # convolutional trunks like channels_last
+        model = model.to(memory_format=torch.channels_last)
+    fisher = None
+    if args.fisher_data and args.method.removeprefix("dp_") == "eata":
+        _, loader = image_stream(args.fisher_data, transform, args)
+        fisher = (x.to(device) for x, _, _ in loader if x is not None)
+    try:
+        with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+            adapter = DPTTA(model, args.method, eps=args.eps if private else None, delta=args.delta,
+                            clip=args.clip, lr=args.lr, seed=args.seed, setting=args.setting, fisher_data=fisher,
+                            chunk_size=16 if device.type == "cpu" else None)
+    except ValueError as e:
+        fail(str(e))
+    ledger = privacy_ledger(adapter, len(args.corruptions))
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"dptta | {args.method} | {args.model} | {device.type} ({name}) | {'bf16 autocast' if amp else 'fp32'}")
+    if args.synthetic:
+        print(f"SMOKE RUN: {args.synthetic} random images per corruption, random weights: accuracy is chance")
+    print(f"data: {args.data} | {args.dataset} severity {args.severity} | {len(args.corruptions)} stream(s) | "
+          f"{args.setting} | batch {args.batch_size} | seed {args.seed}")
+    if private:
+        print(f"privacy: ({args.eps:g}, {args.delta:g})-DP per test image: σ = {adapter.sigma:.4f}, "
+              f"μ = 2/σ = {ledger['mu']:.4f}-GDP, C = {adapter.clip:g} [{hp_note['clip']}]")
+        print(f"  unit: {ledger['unit']}; released: adapted θ and every prediction for other images")
+        print(f"  one image in all {len(args.corruptions)} streams (e.g. ImageNet-C's): μ√k = "
+              f"{ledger['mu'] * math.sqrt(len(args.corruptions)):.3f} -> ε = {ledger['eps_per_underlying_image']:.3g}")
+    elif args.method != "source":
+        print(f"not private; per-sample clip C = {adapter.clip} [{hp_note['clip']}]" if adapter.clip
+              else "not private; no clipping")
+    if args.method != "source":
+        n = sum(p.numel() for p in adapter.params.values())
+        print(f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting {len(adapter.params)} tensors, "
+              f"{n:,} scalars")
+
+    accuracy, images, skipped, start = {}, 0, 0, time.time()
+    for c in args.corruptions:
+        if args.setting == "episodic":
+            adapter.reset()
+        _, loader = image_stream(stream_folder(args, c), transform, args, args.limit)
+        correct, seen, bad, t0 = torch.zeros((), dtype=torch.long, device=device), 0, 0, time.time()
+        for i, (x, y, n_bad) in enumerate(loader):
+            bad += n_bad
+            if x is None:
+                continue
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if lookup is not None:
+                y = lookup[y]
+            with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+                logits = adapter(x)
+            correct += (logits.argmax(1) == y).sum()  # stays on the device: no sync per step
+            seen += len(y)
+            if (i + 1) % args.log_every == 0:
+                print(f"  {c} {seen}/{len(loader.dataset)} top-1 {100 * correct.item() / seen:.1f}% "
+                      f"{seen / (time.time() - t0):.0f} img/s", flush=True)
+        accuracy[c] = 100 * correct.item() / max(seen, 1)
+        images, skipped = images + seen, skipped + bad
+        note = f" | {bad} unreadable image(s) skipped" if bad else ""
+        print(f"{c:<18} top-1 {accuracy[c]:5.1f}% | {seen} images | {seen / (time.time() - t0):.0f} img/s{note}",
+              flush=True)
+    wall = time.time() - start
+    mean = sum(accuracy.values()) / len(accuracy)
+    print("\n" + " | ".join(f"{c[:8]:>8}" for c in accuracy) + " |     mean")
+    print(" | ".join(f"{a:8.1f}" for a in accuracy.values()) + f" | {mean:8.1f}")
+    if skipped:
+        print(f"{skipped} unreadable image(s) skipped in all")
+    import timm
+    append_jsonl(args.out, {
+        "mode": "adapt", "key": run_key(args), "settings": {k: v for k, v in vars(args).items()},
+        "method": args.method, "eps": args.eps, "clip": adapter.clip, "lr": adapter.lr, "setting": args.setting,
+        "seed": args.seed, "hparam_source": hp_note, "smoke": bool(args.synthetic), "device": name,
+        "dtype": "bf16" if amp else "fp32", "versions": {"torch": torch.__version__, "timm": timm.__version__},
+        "ledger": ledger, "accuracy": accuracy, "mean": mean, "images": images, "skipped": skipped,
+        "images_per_s": images / wall, "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    print(f"mean top-1 {mean:.2f}% | {images / wall:.0f} img/s | {wall:.0f} s | appended to {args.out}")
+    return 0
+
+
+def summarize(path):
+    """The paper's table: rows = methods, columns = non-private, clip-only, ε = 20 ... 1; mean ± std over seeds."""
+    if not os.path.exists(path):
+        fail(f"--summarize {path} does not exist")
+    with open(path) as f:
+        runs = [r for r in map(json.loads, filter(str.strip, f)) if r.get("mode") == "adapt"]
+    tables = {}
+    for r in runs:
+        s = r["settings"]
+        private = r["method"].startswith("dp_")
+        col = ("ε=inf" if math.isinf(r["eps"]) else f"ε={r['eps']:g}") if private else \
+              ("clip-only" if r["clip"] else "non-private")
+        table = tables.setdefault((s["dataset"], s["model"], r["setting"], s["severity"]), {})
+        table.setdefault(r["method"].removeprefix("dp_"), {}).setdefault(col, []).append(r["mean"])
+    for (dataset, model, setting, severity), table in tables.items():
+        cols = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in (20, 15, 10, 5, 1)]
+        extra = sorted({c for row in table.values() for c in row} - set(cols))
+        cols = [c for c in cols + extra if any(c in row for row in table.values())]
+        print(f"\n{dataset} severity {severity} | {model} | {setting} | mean top-1 % over seeds")
+        print(f"{'method':<12}" + "".join(f"{c:>16}" for c in cols))
+        for method in [m for m in ("source",) + BASES if m in table]:
+            cells = [table[method].get(c) for c in cols]
+            print(f"{method:<12}" + "".join(
+                f"{'':>16}" if v is None else f"{np.mean(v):>9.1f} ± {np.std(v):<4.1f}" for v in cells))
+    return 0
+
+
+def benchmark(args):
+    """One step of every method, non-private / clip-only / DP, timed side by side."""
+    import resource
+    import timm
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    amp = args.amp == "bf16" and device.type == "cuda"
+    name = args.model or ("vit_base_patch16_224" if device.type == "cuda" else "vit_small_patch16_224")
+    B = args.batch_size or (64 if device.type == "cuda" else 32)
+    rounds = 5
+    torch.manual_seed(args.seed)
+    model = timm.create_model(name, pretrained=False).to(device)
+    size = timm.data.resolve_data_config({}, model=model)["input_size"]
+    x = torch.randn(B, *size, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    variants = {"source": DPTTA(model, "source")}
+    for b in BASES:
+        variants[b] = DPTTA(model, b, lr=1e-5)
+        variants[b + " clip"] = DPTTA(model, b, lr=1e-5, clip=1.0)
+        variants["dp_" + b] = DPTTA(model, "dp_" + b, lr=1e-5, clip=1.0, eps=5.0,
+                                    chunk_size=16 if device.type == "cpu" else None)
+    for a in variants.values():  # random weights: open every filter so that each step is a full one
+        if a.kind != "source":
+            a.hp.update(e_margin=math.inf, d_margin=math.inf, deyo_margin=math.inf, plpd_threshold=-math.inf,
+                        reset_ema=-math.inf)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, peak = {k: [] for k in variants}, {}
+    for k, a in variants.items():  # warm-up, and memory: CUDA peak, or growth of the process peak RSS
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+            a(x)
+        sync()
+        peak[k] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
+                   (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024) / 2 ** 20
+    for r in range(rounds):  # interleaved: drift of the machine hits every variant alike
+        for k, a in variants.items():
+            t = time.perf_counter()
+            with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+                a(x)
+            sync()
+            times[k].append(time.perf_counter() - t)
+    rows = []
+    print(f"benchmark | {name} | batch {B} | {device.type} | {'bf16' if amp else 'fp32'} | median of {rounds} "
+          f"interleaved rounds")
+    print(f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}{'per-sample g MiB':>18}")
+    for k, a in variants.items():
+        ms = 1000 * float(np.median(times[k]))
+        base = 1000 * float(np.median(times[k.split()[0].removeprefix("dp_")]))
+        psg = 0.0 if a.kind == "source" or a.clip is None else \
+            B * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20
+        rows.append({"variant": k, "ms": ms, "images_per_s": 1000 * B / ms, "ratio": ms / base,
+                     "peak_mib": peak[k], "per_sample_grad_mib": psg})
+        print(f"{k:<16}{ms:>10.1f}{1000 * B / ms:>9.1f}{ms / base:>8.2f}{peak[k]:>10.1f}{psg:>18.2f}")
+    tree = make_synthetic_tree(tempfile.mkdtemp(prefix="dptta-bench-"), ["gaussian_noise"], 5, 4 * B, size=375)
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+    args.batch_size, args.device = B, device.type
+    _, loader = image_stream(os.path.join(tree, "gaussian_noise", "5"), transform, args)
+    t, n = time.perf_counter(), 0
+    for xb, _, _ in loader:
+        n += len(xb)
+    loader_rate = n / (time.perf_counter() - t)
+    print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG decode + timm transform, {args.workers} workers); "
+          f"the slowest step above needs {max(r['images_per_s'] for r in rows[1:]):.0f} img/s at most")
+    append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B, "device": device.type,
+                            "dtype": "bf16" if amp else "fp32", "rounds": rounds, "rows": rows,
+                            "loader_images_per_s": loader_rate, "versions": {"torch": torch.__version__}})
+    return 0
+
+
+def audit_cli(args):
+    """--audit: white-box and end-to-end ε lower bounds for --method at --eps on a small ViT."""
+    import timm
+    if not args.method.startswith("dp_"):
+        fail(f"--audit needs a dp_ method, not {args.method}")
+    eps = 5.0 if args.eps is None else args.eps
+    if not (eps > 0 and not math.isinf(eps)):
+        fail(f"--audit needs a finite --eps > 0, got {eps}")
+    torch.manual_seed(args.seed)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                              embed_dim=32, num_heads=2, num_classes=10)
+    a = DPTTA(model, args.method, eps=eps, delta=args.delta, clip=args.clip or 1.0, lr=args.lr or 0.1,
+              seed=args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(4, 3, 32, 32, generator=g)
+    white = audit(a, x, trials=args.trials, seed=args.seed)
+    e2e_trials = max(args.trials // 20, 100)
+    e2e = audit(a, x, 3 * torch.randn(3, 32, 32, generator=g), -3 * torch.randn(3, 32, 32, generator=g),
+                trials=e2e_trials)
+    print(f"audit | {args.method} | claimed ε = {eps:g} at δ = {args.delta:g} (σ = {a.sigma:.4f}, C = {a.clip:g})")
+    print(f"white-box  : ε_lb = {white:.3f} at 95% confidence, {args.trials} trials per world, "
+          f"ε_lb/ε = {white / eps:.2f}")
+    print(f"end-to-end : ε_lb = {e2e:.3f} at 95% confidence, {e2e_trials} trials per world, "
+          f"ε_lb/ε = {e2e / eps:.2f}")
+    print("a lower bound: exceeding the claim proves a bug; staying below it proves nothing")
+    return 0 if white <= eps and e2e <= eps else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
