@@ -885,7 +885,7 @@ def main(argv=None):
         print(f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting {len(adapter.params)} tensors, "
               f"{n:,} scalars")
 
-    accuracy, images, skipped, start = {}, 0, 0, time.time()
+    accuracy, drift, images, skipped, start = {}, {}, 0, 0, time.time()
     for c in args.corruptions:
         if args.setting == "episodic":
             adapter.reset()
@@ -907,9 +907,12 @@ def main(argv=None):
                       f"{seen / (time.time() - t0):.0f} img/s", flush=True)
         accuracy[c] = 100 * correct.item() / max(seen, 1)
         images, skipped = images + seen, skipped + bad
+        if args.method != "source":  # ‖θ − θ0‖: how far adaptation has moved (a function of θ: public)
+            drift[c] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
+                                     for n, p in adapter.params.items()))
         note = f" | {bad} unreadable image(s) skipped" if bad else ""
-        print(f"{c:<18} top-1 {accuracy[c]:5.1f}% | {seen} images | {seen / (time.time() - t0):.0f} img/s{note}",
-              flush=True)
+        print(f"{c:<18} top-1 {accuracy[c]:5.1f}% | {seen} images | {seen / (time.time() - t0):.0f} img/s | "
+              f"‖θ−θ0‖ {drift.get(c, 0.0):.4f}{note}", flush=True)
     wall = time.time() - start
     mean = sum(accuracy.values()) / len(accuracy)
     print("\n" + " | ".join(f"{c[:8]:>8}" for c in accuracy) + " |     mean")
@@ -922,7 +925,7 @@ def main(argv=None):
         "method": args.method, "eps": args.eps, "clip": adapter.clip, "lr": adapter.lr, "setting": args.setting,
         "seed": args.seed, "hparam_source": hp_note, "smoke": bool(args.synthetic), "device": name,
         "dtype": "bf16" if amp else "fp32", "versions": {"torch": torch.__version__, "timm": timm.__version__},
-        "ledger": ledger, "accuracy": accuracy, "mean": mean, "images": images, "skipped": skipped,
+        "ledger": ledger, "accuracy": accuracy, "drift": drift, "mean": mean, "images": images, "skipped": skipped,
         "images_per_s": images / wall, "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     print(f"mean top-1 {mean:.2f}% | {images / wall:.0f} img/s | {wall:.0f} s | appended to {args.out}")
     return 0

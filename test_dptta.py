@@ -532,3 +532,132 @@ def test_dp_sat_ascends_along_the_previous_private_gradient():
     fresh(x)
     for n in fresh.params:
         torch.testing.assert_close(fresh.g_prev[n], g0[n], rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# The command line, on generated ImageNet-C trees
+
+CLI_MODEL = "vit_tiny_patch16_224"
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """Two corruptions, 12 images over 10 real wnids, one unreadable file; a random-weight checkpoint."""
+    root = tmp_path_factory.mktemp("imagenet-c")
+    dptta.make_synthetic_tree(str(root), ["gaussian_noise", "shot_noise"], 5, 12, size=48)
+    bad = next((root / "gaussian_noise" / "5").iterdir()) / "broken.JPEG"
+    bad.write_bytes(b"this is not a jpeg")
+    ckpt = root / "tiny.pth"
+    torch.manual_seed(0)
+    torch.save(timm.create_model(CLI_MODEL, pretrained=False).state_dict(), ckpt)
+    return root, ckpt
+
+
+def cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, os.path.join(HERE, "dptta.py"), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=600)
+
+
+def adapt(tree, out, *extra):
+    root, ckpt = tree
+    r = cli("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL, "--checkpoint", ckpt,
+            "--batch-size", 4, "--workers", 0, "--out", out, *extra)
+    assert r.returncode == 0, r.stderr
+    with open(out) as f:
+        return r, json.loads(f.read().splitlines()[-1])
+
+
+def test_cli_end_to_end_jsonl_ledger_skips_unreadable_and_episodic_resets(tree, tmp_path):
+    out = tmp_path / "r.jsonl"
+    r, cont = adapt(tree, out, "--method", "dp_tent", "--eps", 5, "--lr", 0.05)
+    assert "privacy: (5, 1e-06)-DP" in r.stdout and "unreadable" in r.stdout
+    led = cont["ledger"]
+    assert led["private"] and led["eps"] == 5 and led["sigma"] == pytest.approx(1.9601, abs=1e-4)
+    assert led["mu"] == pytest.approx(2 / led["sigma"]) and led["repeats"] == 2
+    assert led["eps_per_underlying_image"] == pytest.approx(dptta.gdp_epsilon(led["sigma"] / math.sqrt(2), 1e-6))
+    assert cont["skipped"] == 1 and cont["images"] == 24 and set(cont["accuracy"]) == {"gaussian_noise", "shot_noise"}
+    assert cont["versions"]["torch"] == torch.__version__ and cont["clip"] == 1 and cont["lr"] == 0.05
+    # episodic: the second corruption starts from θ0, exactly like a run on it alone; continual does not.
+    # eps=inf (no noise): the noise stream runs on across resets, so with noise they'd agree only in law
+    clip_only = ("--method", "dp_tent", "--eps", "inf", "--lr", 0.05)
+    _, cont = adapt(tree, out, *clip_only)
+    _, epi = adapt(tree, out, *clip_only, "--setting", "episodic")
+    root, ckpt = tree
+    r = cli("--data", root, "--corruptions", "shot_noise", "--model", CLI_MODEL, "--checkpoint", ckpt,
+            "--batch-size", 4, "--workers", 0, "--out", out, *clip_only)
+    with open(out) as f:
+        alone = json.loads(f.read().splitlines()[-1])
+    assert epi["drift"]["gaussian_noise"] == cont["drift"]["gaussian_noise"]
+    assert epi["drift"]["shot_noise"] == alone["drift"]["shot_noise"]
+    assert epi["drift"]["shot_noise"] != cont["drift"]["shot_noise"]
+    # the summary table
+    r = cli("--summarize", out)
+    assert r.returncode == 0 and "tent" in r.stdout and "ε=5" in r.stdout and "continual" in r.stdout
+    # resumable: the same cell is not run twice
+    r, _ = adapt(tree, out, "--method", "dp_tent", "--eps", 5, "--lr", 0.05, "--resume")
+    assert "skipped" in r.stdout
+
+
+def test_cli_scores_by_wordnet_id_on_a_subset_of_classes(tmp_path):
+    from timm.data import ImageNetInfo
+    wnid = ImageNetInfo().label_names()[900]
+    d = tmp_path / "c" / "shot_noise" / "5" / wnid
+    d.mkdir(parents=True)
+    from PIL import Image
+    for i in range(3):
+        Image.new("RGB", (40, 40), (i * 50, 0, 0)).save(d / f"{i}.JPEG")
+    torch.manual_seed(0)
+    m = timm.create_model(CLI_MODEL, pretrained=False)
+    with torch.no_grad():  # a head that always says class 900
+        m.head.weight.zero_()
+        m.head.bias.zero_()
+        m.head.bias[900] = 10.0
+    torch.save(m.state_dict(), tmp_path / "always900.pth")
+    r = cli("--data", tmp_path / "c", "--corruptions", "shot_noise", "--model", CLI_MODEL, "--checkpoint",
+            tmp_path / "always900.pth", "--method", "source", "--workers", 0, "--out", tmp_path / "r.jsonl")
+    assert r.returncode == 0, r.stderr
+    with open(tmp_path / "r.jsonl") as f:
+        assert json.loads(f.readline())["accuracy"]["shot_noise"] == 100.0  # ImageFolder's index would be 0
+
+
+def bad_input_cases(root, ckpt):
+    ok = ["--data", root, "--corruptions", "gaussian_noise", "--model", CLI_MODEL, "--checkpoint", ckpt]
+    return {
+        "no data root": (["--data", "", "--method", "tent"], "no data root"),
+        "missing root": (["--data", "/nonexistent/imagenet-c"], "is not a folder"),
+        "missing corruption folder": (ok + ["--severity", "3"], "missing"),
+        "unknown method": (ok + ["--method", "bogus"], "invalid choice"),
+        "unknown corruption": (["--data", root, "--corruptions", "rain"], "unknown corruption"),
+        "eps on non-private": (ok + ["--method", "tent", "--eps", "5"], "dp_ methods only"),
+        "eps <= 0": (ok + ["--eps", "0"], "--eps must be > 0"),
+        "eps nan": (ok + ["--eps", "nan"], "--eps must be > 0"),
+        "delta": (ok + ["--delta", "1.5"], "--delta must be in (0, 1)"),
+        "batchnorm": (["--data", root, "--corruptions", "gaussian_noise", "--model", "resnet18",
+                       "--synthetic", "2", "--method", "dp_tent"], "BatchNorm"),
+        "checkpoint mismatch": (["--data", root, "--corruptions", "gaussian_noise", "--model", "vit_small_patch16_224",
+                                 "--checkpoint", ckpt], "does not fit"),
+    }
+
+
+@pytest.mark.parametrize("case", list(bad_input_cases("R", "C")))
+def test_cli_bad_input_is_one_line_and_exit_2(tree, case, capsys):
+    root, ckpt = tree
+    argv, message = bad_input_cases(str(root), str(ckpt))[case]
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv + ["--out", os.devnull, "--workers", "0"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_bad_input_in_a_real_process_has_no_traceback(tree):
+    root, _ = tree
+    r = cli("--data", root, "--corruptions", "rain")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def test_synthetic_smoke_run(tmp_path):
+    r = cli("--synthetic", 4, "--model", CLI_MODEL, "--method", "dp_deyo", "--eps", 5, "--corruptions",
+            "gaussian_noise", "--workers", 0, "--out", tmp_path / "r.jsonl")
+    assert r.returncode == 0, r.stderr
+    assert "SMOKE RUN" in r.stdout and "mean top-1" in r.stdout
