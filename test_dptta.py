@@ -661,3 +661,87 @@ def test_synthetic_smoke_run(tmp_path):
             "gaussian_noise", "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
     assert "SMOKE RUN" in r.stdout and "mean top-1" in r.stdout
+
+
+def test_run_imagenet_c_dry_run_lists_the_grid():
+    r = subprocess.run(["bash", os.path.join(HERE, "run_imagenet_c.sh"), "--dry-run"], capture_output=True, text=True,
+                       env=dict(os.environ, SEEDS="0 1", SETTINGS="continual episodic"), timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if l.startswith("python dptta.py")]
+    assert len(lines) == 2 * 2 * (1 + 5 * 7) and "# 144 cells (main)" in r.stdout
+    assert "python dptta.py --method dp_tent --eps 5 --clip 1 --lr 0.001 --setting continual --seed 0" in lines
+    assert "python dptta.py --method deyo --clip 35 --lr 0.005 --setting episodic --seed 1" in lines
+    r = subprocess.run(["bash", os.path.join(HERE, "run_imagenet_c.sh"), "tune", "--dry-run"], capture_output=True,
+                       text=True, env=dict(os.environ, SEEDS="0", SETTINGS="continual"), timeout=120)
+    assert "# 1350 cells (tune)" in r.stdout and "speckle_noise,gaussian_blur,spatter,saturate" in r.stdout
+
+
+# ----------------------------------------------------------------------------
+# Benchmark mode and memory
+
+def test_benchmark_prints_table_and_json(tmp_path):
+    out = tmp_path / "bench.jsonl"
+    r = cli("--benchmark", "--model", CLI_MODEL, "--batch-size", 2, "--device", "cpu", "--rounds", 1,
+            "--workers", 0, "--out", out)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(out.read_text())
+    want = ["source"] + [v for b in dptta.BASES for v in (b, b + " clip", "dp_" + b)]
+    assert [row["variant"] for row in rec["rows"]] == want
+    for row in rec["rows"]:
+        assert row["ms"] > 0 and row["ratio"] > 0 and row["variant"] in r.stdout
+    assert rec["loader_images_per_s"] > 0 and "loader:" in r.stdout
+
+
+def test_memory_does_not_grow_over_a_long_stream():
+    import gc
+    a = dptta.DPTTA(tiny_vit(), "dp_deyo", eps=5, clip=1.0, lr=1e-3)
+    x = images(4)
+
+    def live_tensors():
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if torch.is_tensor(o))
+
+    for _ in range(20):
+        a(x)
+    before = live_tensors()
+    for _ in range(200):
+        a(x)
+    assert live_tensors() == before
+
+
+# ----------------------------------------------------------------------------
+# Privacy audit
+
+@pytest.mark.parametrize("method", [m for m in dptta.METHODS if m.startswith("dp_")])
+def test_white_box_audit_stays_below_the_claim(method):
+    x = images(3)
+    for eps in (1, 5):
+        a = dptta.DPTTA(tiny_vit(depth=2), method, eps=eps, clip=1.0, lr=0.1)
+        lb = dptta.audit(a, x, trials=4000, seed=eps)
+        assert 0 <= lb <= eps
+
+
+def test_audit_catches_a_step_with_half_the_noise():
+    """The classic bug: noise calibrated to C instead of the change-one sensitivity 2C."""
+    for eps in (1, 5):
+        a = dptta.DPTTA(tiny_vit(depth=2), "dp_tent", eps=eps, clip=1.0, lr=0.1)
+        a.sigma /= 2
+        assert dptta.audit(a, images(3), trials=10000) > 1.5 * eps
+
+
+def test_audit_bound_is_tight_against_the_closed_form():
+    """ε_lb is a lower bound, and a tight one: within 20% of the accountant's ε at 10k trials."""
+    a = dptta.DPTTA(tiny_vit(depth=2), "dp_tent", eps=5, clip=1.0, lr=0.1)
+    lb = dptta.audit(a, images(3), trials=10000)
+    assert 0.8 * 5 < lb <= 5
+    free = dptta.audit(a, images(3), trials=10000, gaussian=False)  # no Gaussian assumption: weaker
+    assert 0 < free < lb
+
+
+def test_end_to_end_audit_through_the_adapter():
+    a = dptta.DPTTA(tiny_vit(depth=2), "dp_tent", eps=1, clip=1.0, lr=0.1)
+    x = images(3)
+    before = {n: p.detach().clone() for n, p in a.params.items()}
+    lb = dptta.audit(a, x, 3 * images(1, 7)[0], -3 * images(1, 8)[0], trials=300)
+    assert 0 <= lb <= 1
+    assert all(torch.equal(before[n], p) for n, p in a.params.items())  # the adapter is left reset
