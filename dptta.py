@@ -33,14 +33,19 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from functools import partial
 
 import numpy as np
+import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image
 from scipy import optimize, special, stats
 from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, Subset, default_collate
+from torchvision.datasets import ImageFolder
 
 # ----------------------------------------------------------------------------
 # Privacy accounting: one pass, μ-GDP with μ = 2/σ
@@ -179,7 +184,9 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
                0,                            # x: one image per call
                None if ctx is None else 0)   # per-sample context, e.g. DeYO's shuffled probs
     params = {n: p.detach() for n, p in params.items()}
-    return vmap(grad(loss_one, has_aux=True), in_dims=in_dims, chunk_size=chunk_size)(params, x, ctx)
+    with warnings.catch_warnings():  # CPU fused attention has no batching rule and loops per sample:
+        warnings.filterwarnings("ignore", "There is a performance drop")  # known, and still fastest
+        return vmap(grad(loss_one, has_aux=True), in_dims=in_dims, chunk_size=chunk_size)(params, x, ctx)
 
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, stats=None):
@@ -272,6 +279,23 @@ def patch_shuffle(x, grid, generator):
     return out
 
 
+def fisher_information(model, params, images, n=2000):
+    """EATA's F: mean over batches of (∇θ CE(f(x), argmax f(x)))², on n clean source images."""
+    fisher, batches, seen = {k: torch.zeros_like(p) for k, p in params.items()}, 0, 0
+    device = next(iter(params.values())).device
+    p = {k: t.detach().requires_grad_() for k, t in params.items()}
+    for x in images:
+        x = (x[0] if isinstance(x, (list, tuple)) else x)[: n - seen].to(device)
+        logits = functional_call(model, p, (x,))
+        g = torch.autograd.grad(F.cross_entropy(logits, logits.argmax(1)), list(p.values()))
+        for k, t in zip(p, g):
+            fisher[k] += t ** 2
+        batches, seen = batches + 1, seen + len(x)
+        if seen >= n:
+            break
+    return {k: f / max(batches, 1) for k, f in fisher.items()}
+
+
 # ----------------------------------------------------------------------------
 # Methods and the paper's hyperparameters
 
@@ -332,17 +356,17 @@ class DPTTA(nn.Module):
     Methods: source; the originals tent, come, eata, sar, deyo, deyo_come (their
     data-dependent filters kept; clip=C adds per-sample clipping of each kept
     sample's own loss gradient, no noise: the paper's clip-only variants); and
-    dp_<method>: (eps, delta)-DP, filters removed (a filter decides on one sample
-    by looking at the model, fine, but EATA's redundancy filter and the SAR
-    recovery read the whole stream, and a dropped sample would change the
-    divisor), weights moved inside the per-sample loss, eps=inf = the DP recipe
-    without noise. Every step is SGD with momentum 0.9 on the adapted norms.
+    dp_<method>: (eps, delta)-DP, as in the paper: filters removed (EATA's
+    redundancy filter and SAR's recovery read other samples, so whether sample i
+    counts would depend on sample j, and a kept count k is itself data), weights
+    moved inside the per-sample loss; eps=inf is this recipe without noise.
+    Every step is SGD with momentum 0.9 on the adapted norms.
     """
 
     def __init__(self, model, method, *, eps=None, delta=1e-6, clip=None, lr=None, seed=0,
                  setting="continual", fisher_data=None, fisher_size=2000, fisher_lambda=2000.0,
                  e_margin=0.4, d_margin=0.05, rho=0.05, reset_ema=0.2, deyo_margin=0.5,
-                 plpd_threshold=0.2, patch_grid=4, chunk_size=None):
+                 plpd_threshold=0.2, patch_grid=4, chunk_size="auto"):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
@@ -355,10 +379,12 @@ class DPTTA(nn.Module):
         self.eps, self.delta = (eps, delta) if self.private else (None, None)
         self.sigma = calibrate_sigma(eps, delta) if self.private else 0.0
         paper_clip, paper_lr, _ = paper_hparams(method, eps if self.private else math.inf, setting, clip)
-        self.clip = float(clip if clip is not None else paper_clip) if paper_clip is not None or clip else None
-        self.lr = float(lr if lr is not None else paper_lr)
+        clip = paper_clip if clip is None else clip
+        self.clip, self.lr = None if clip is None else float(clip), float(paper_lr if lr is None else lr)
         if self.clip is not None and not self.clip > 0:
-            raise ValueError(f"clip must be > 0, got {clip}")
+            raise ValueError(f"clip must be > 0 (None = no clipping, originals only), got {clip}")
+        if self.kind != "source" and not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
         self.model = model.eval()  # eval: no dropout, and nothing random under vmap
         self.model.requires_grad_(False)
         if self.kind == "source":
@@ -369,15 +395,14 @@ class DPTTA(nn.Module):
         self.hp = dict(e_margin=e_margin, d_margin=d_margin, rho=rho, reset_ema=reset_ema,
                        deyo_margin=deyo_margin, plpd_threshold=plpd_threshold, patch_grid=patch_grid,
                        fisher_lambda=fisher_lambda)
-        self.chunk_size = chunk_size
-        ent = come_entropy if self.kind in ("come", "deyo_come") else entropy
-        self.ent = ent
-        # ℓ_i: the per-sample loss whose gradient is clipped (weights included, all detached)
-        self.loss = {"tent": lambda z, ctx: ent(z), "come": lambda z, ctx: ent(z), "sar": lambda z, ctx: ent(z),
-                     "eata": partial(confidence_weighted, e_margin=e_margin),
-                     "deyo": partial(confidence_weighted, ent=ent, e_margin=e_margin),
-                     "deyo_come": partial(confidence_weighted, ent=ent, e_margin=e_margin)}[self.kind]
         device = next(iter(self.params.values())).device
+        # vmap in chunks of 16 on CPU: fused attention has no batching rule there and loops per
+        # sample anyway, and small chunks stay in cache (measured fastest); whole batch on GPUs
+        self.chunk_size = (16 if device.type == "cpu" else None) if chunk_size == "auto" else chunk_size
+        self.ent = ent = come_entropy if self.kind in ("come", "deyo_come") else entropy
+        # ℓ_i(logits, ctx): the per-sample loss whose gradient is clipped, weights inside (detached)
+        weighted = self.kind in ("eata", "deyo", "deyo_come")
+        self.loss = partial(confidence_weighted, ent=ent, e_margin=e_margin) if weighted else lambda z, ctx: ent(z)
         # Noise and shuffles get their own seeded streams; reset() never rewinds them:
         # reusing a noise draw on another batch would let it be subtracted out.
         self.noise_gen = torch.Generator(device).manual_seed(seed)
@@ -412,7 +437,7 @@ class DPTTA(nn.Module):
             return keep
         K = math.log(logits.shape[-1])
         H = self.ent(logits.detach())
-        if self.kind == "deyo" or self.kind == "deyo_come":
+        if self.kind in ("deyo", "deyo_come"):
             new = (H < self.hp["deyo_margin"] * K) & (plpd(logits, ctx) > self.hp["plpd_threshold"])
         else:  # eata, sar: reliable samples, H < E0
             new = H < self.hp["e_margin"] * K
@@ -499,23 +524,6 @@ class DPTTA(nn.Module):
             self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
         if self.ema is not None and self.ema < self.hp["reset_ema"]:
             self.reset()
-
-
-def fisher_information(model, params, images, n=2000):
-    """EATA's F: mean over batches of (∇θ CE(f(x), argmax f(x)))², on n clean source images."""
-    fisher, batches, seen = {k: torch.zeros_like(p) for k, p in params.items()}, 0, 0
-    device = next(iter(params.values())).device
-    p = {k: t.detach().requires_grad_() for k, t in params.items()}
-    for x in images:
-        x = (x[0] if isinstance(x, (list, tuple)) else x)[: n - seen].to(device)
-        logits = functional_call(model, p, (x,))
-        g = torch.autograd.grad(F.cross_entropy(logits, logits.argmax(1)), list(p.values()))
-        for k, t in zip(p, g):
-            fisher[k] += t ** 2
-        batches, seen = batches + 1, seen + len(x)
-        if seen >= n:
-            break
-    return {k: f / max(batches, 1) for k, f in fisher.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -611,35 +619,28 @@ LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT
           "ImageNet-C is at https://zenodo.org/record/2235448")
 
 
-def _folder_class():
-    from torchvision.datasets import ImageFolder  # torchvision is slow to import: only when streaming
+class WnidFolder(ImageFolder):
+    """ImageFolder whose targets are ImageNet-1k indices found by WordNet id, never by
+    enumeration (a tree with a subset of classes still scores right), and that yields
+    None for an unreadable image instead of ending a run hours in."""
 
-    class WnidFolder(ImageFolder):
-        """ImageFolder whose targets are ImageNet-1k indices found by WordNet id, never by
-        enumeration (a tree with a subset of classes still scores right), and that yields
-        None for an unreadable image instead of ending a run hours in."""
+    def __init__(self, root, transform):
+        super().__init__(root, transform)
+        index = {w: i for i, w in enumerate(timm.data.ImageNetInfo().label_names())}
+        unknown = [c for c in self.classes if c not in index]
+        if unknown:
+            raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; {LAYOUT}")
+        self.imagenet_index = [index[c] for c in self.classes]
 
-        def __init__(self, root, transform):
-            super().__init__(root, transform)
-            from timm.data import ImageNetInfo
-            index = {w: i for i, w in enumerate(ImageNetInfo().label_names())}
-            unknown = [c for c in self.classes if c not in index]
-            if unknown:
-                raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; {LAYOUT}")
-            self.imagenet_index = [index[c] for c in self.classes]
-
-        def __getitem__(self, i):
-            path, c = self.samples[i]
-            try:
-                return self.transform(self.loader(path)), self.imagenet_index[c]
-            except (OSError, ValueError, SyntaxError):  # PIL: truncated, corrupt, not an image
-                return None
-
-    return WnidFolder
+    def __getitem__(self, i):
+        path, c = self.samples[i]
+        try:
+            return self.transform(self.loader(path)), self.imagenet_index[c]
+        except (OSError, ValueError, SyntaxError):  # PIL: truncated, corrupt, not an image
+            return None
 
 
 def collate_skipping(batch):
-    from torch.utils.data import default_collate
     good = [b for b in batch if b is not None]
     x, y = default_collate(good) if good else (None, None)
     return x, y, len(batch) - len(good)
@@ -647,8 +648,7 @@ def collate_skipping(batch):
 
 def image_stream(folder, transform, args, limit=None):
     """(dataset, loader): a seeded shuffle of the folder's images, first `limit` only."""
-    from torch.utils.data import DataLoader, Subset
-    ds = _folder_class()(folder, transform)
+    ds = WnidFolder(folder, transform)
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(args.seed))[:limit].tolist()
     loader = DataLoader(Subset(ds, order), args.batch_size, num_workers=args.workers, collate_fn=collate_skipping,
                         pin_memory=args.device == "cuda", persistent_workers=args.workers > 0)
@@ -669,9 +669,7 @@ class ClassSubset(nn.Module):
 
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     """An ImageNet-C-shaped tree of random JPEGs: n per corruption over 10 real wnids."""
-    from PIL import Image
-    from timm.data import ImageNetInfo
-    wnids, rng = ImageNetInfo().label_names()[:10], np.random.default_rng(seed)
+    wnids, rng = timm.data.ImageNetInfo().label_names()[:10], np.random.default_rng(seed)
     for c in corruptions:
         for i in range(n):
             d = os.path.join(root, c, str(severity), wnids[i % len(wnids)])
@@ -733,6 +731,10 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def stream_folder(args, corruption):
+    return args.data if args.dataset == "imagenet_r" else os.path.join(args.data, corruption, str(args.severity))
+
+
 def check_args(args):
     """Validate and fill in defaults; every complaint is one line and exit 2."""
     private = args.method.startswith("dp_")
@@ -780,12 +782,7 @@ def check_args(args):
     return args
 
 
-def stream_folder(args, corruption):
-    return args.data if args.dataset == "imagenet_r" else os.path.join(args.data, corruption, str(args.severity))
-
-
 def build_model(args):
-    import timm
     try:
         model = timm.create_model(args.model, pretrained=not (args.synthetic or args.checkpoint))
     except Exception as e:  # unknown name, no network for the weights, ...
@@ -825,6 +822,150 @@ def run_key(args):
                                           "dataset", "severity", "corruptions", "model", "seed", "limit")}
 
 
+def summarize(path):
+    """The paper's table: rows = methods, columns = non-private, clip-only, ε = 20 ... 1; mean ± std over seeds."""
+    if not os.path.exists(path):
+        fail(f"--summarize {path} does not exist")
+    with open(path) as f:
+        runs = [r for r in map(json.loads, filter(str.strip, f)) if r.get("mode") == "adapt"]
+    tables = {}
+    for r in runs:
+        s = r["settings"]
+        private = r["method"].startswith("dp_")
+        col = ("ε=inf" if math.isinf(r["eps"]) else f"ε={r['eps']:g}") if private else \
+              ("clip-only" if r["clip"] else "non-private")
+        table = tables.setdefault((s["dataset"], s["model"], r["setting"], s["severity"]), {})
+        table.setdefault(r["method"].removeprefix("dp_"), {}).setdefault(col, []).append(r["mean"])
+    for (dataset, model, setting, severity), table in tables.items():
+        cols = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in (20, 15, 10, 5, 1)]
+        extra = sorted({c for row in table.values() for c in row} - set(cols))
+        cols = [c for c in cols + extra if any(c in row for row in table.values())]
+        print(f"\n{dataset} severity {severity} | {model} | {setting} | mean top-1 % over seeds")
+        print(f"{'method':<12}" + "".join(f"{c:>16}" for c in cols))
+        for method in [m for m in ("source",) + BASES if m in table]:
+            cells = [table[method].get(c) for c in cols]
+            print(f"{method:<12}" + "".join(
+                f"{'':>16}" if v is None else f"{np.mean(v):>9.1f} ± {np.std(v):<4.1f}" for v in cells))
+    return 0
+
+
+def _proc_status_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def benchmark(args):
+    """One step of every method, non-private / clip-only / DP, timed side by side."""
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    amp = args.amp == "bf16" and device.type == "cuda"
+    name = args.model or ("vit_base_patch16_224" if device.type == "cuda" else "vit_small_patch16_224")
+    B = args.batch_size or (64 if device.type == "cuda" else 32)
+    rounds = args.rounds
+    torch.manual_seed(args.seed)
+    model = timm.create_model(name, pretrained=False).to(device)
+    size = timm.data.resolve_data_config({}, model=model)["input_size"]
+    x = torch.randn(B, *size, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    variants = {"source": DPTTA(model, "source")}
+    for b in BASES:
+        variants[b] = DPTTA(model, b, lr=1e-5)
+        variants[b + " clip"] = DPTTA(model, b, lr=1e-5, clip=1.0)
+        variants["dp_" + b] = DPTTA(model, "dp_" + b, lr=1e-5, clip=1.0, eps=5.0)
+    for a in variants.values():  # random weights: open every filter so that each step is a full one
+        if a.kind != "source":
+            a.hp.update(e_margin=math.inf, d_margin=math.inf, deyo_margin=math.inf, plpd_threshold=-math.inf,
+                        reset_ema=-math.inf)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, peak = {k: [] for k in variants}, {}
+    for k, a in variants.items():  # warm-up, and the step's peak memory: CUDA allocated, or RSS
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        else:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            rss = _proc_status_kb("VmRSS")
+        with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+            a(x)
+        sync()
+        peak[k] = (torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else
+                   (_proc_status_kb("VmHWM") - rss) / 2 ** 10)
+    for r in range(rounds):  # interleaved: drift of the machine hits every variant alike
+        for k, a in variants.items():
+            t = time.perf_counter()
+            with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+                a(x)
+            sync()
+            times[k].append(time.perf_counter() - t)
+    rows = []
+    print(f"benchmark | {name} | batch {B} | {device.type} | {'bf16' if amp else 'fp32'} | median of {rounds} "
+          f"interleaved rounds")
+    print(f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}{'per-sample g MiB':>18}"
+          f"   (peak: {'CUDA max allocated' if device.type == 'cuda' else 'RSS growth during one step'})")
+    for k, a in variants.items():
+        ms = 1000 * float(np.median(times[k]))
+        base = 1000 * float(np.median(times[k.split()[0].removeprefix("dp_")]))
+        psg = 0.0 if a.kind == "source" or a.clip is None else \
+            B * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20
+        rows.append({"variant": k, "ms": ms, "images_per_s": 1000 * B / ms, "ratio": ms / base,
+                     "peak_mib": peak[k], "per_sample_grad_mib": psg})
+        print(f"{k:<16}{ms:>10.1f}{1000 * B / ms:>9.1f}{ms / base:>8.2f}{peak[k]:>10.1f}{psg:>18.2f}")
+    tree = make_synthetic_tree(tempfile.mkdtemp(prefix="dptta-bench-"), ["gaussian_noise"], 5, 4 * B, size=375)
+    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+    args.batch_size, args.device = B, device.type
+    _, loader = image_stream(os.path.join(tree, "gaussian_noise", "5"), transform, args)
+    t, n = time.perf_counter(), 0
+    for xb, _, _ in loader:
+        n += len(xb)
+    loader_rate = n / (time.perf_counter() - t)
+    print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG decode + timm transform, {args.workers} workers); "
+          f"the slowest step above needs {max(r['images_per_s'] for r in rows[1:]):.0f} img/s at most")
+    append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B, "device": device.type,
+                            "dtype": "bf16" if amp else "fp32", "rounds": rounds, "rows": rows,
+                            "loader_images_per_s": loader_rate, "versions": {"torch": torch.__version__}})
+    return 0
+
+
+def audit_cli(args):
+    """--audit: white-box and end-to-end ε lower bounds for --method at --eps on a small ViT."""
+    if not args.method.startswith("dp_"):
+        fail(f"--audit needs a dp_ method, not {args.method}")
+    eps = 5.0 if args.eps is None else args.eps
+    if not (eps > 0 and not math.isinf(eps)):
+        fail(f"--audit needs a finite --eps > 0, got {eps}")
+    torch.manual_seed(args.seed)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                              embed_dim=32, num_heads=2, num_classes=10)
+    a = DPTTA(model, args.method, eps=eps, delta=args.delta, clip=args.clip or 1.0, lr=args.lr or 0.1,
+              seed=args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(4, 3, 32, 32, generator=g)
+    white = audit(a, x, trials=args.trials, seed=args.seed)
+    # end to end the canary is an image: to make the game strong, C sits below every candidate's
+    # gradient norm (both worlds clip) and the replacement is the candidate pointing furthest away
+    cands = 3 * torch.randn(16, 3, 32, 32, generator=g)
+    ctx = a._shuffled_probs(cands) if a.kind in ("deyo", "deyo_come") else None
+    flat = torch.cat([t.flatten(1) for t in per_sample_grads(a.model, a.params, a.loss, cands, ctx)[0].values()], 1)
+    norms = flat.norm(dim=1)
+    a.clip = args.clip or 0.5 * norms.min().item()
+    far = int((flat[1:] @ flat[0] / norms[1:]).argmin()) + 1
+    e2e_trials = max(args.trials // 10, 100)
+    e2e = audit(a, x, cands[0], cands[far], trials=e2e_trials)
+    # images cannot be made exactly opposite: the worlds are ‖clip(g_in) − clip(g_out)‖ = frac·2C apart,
+    # and no attack on this pair can show more than the ε of (frac·μ)-GDP
+    clipped = a.clip * flat[[0, far]] / norms[[0, far], None]
+    frac = ((clipped[0] - clipped[1]).norm() / (2 * a.clip)).item()
+    reach = gdp_epsilon(a.sigma / frac, args.delta) if a.sigma else math.inf
+    print(f"audit | {args.method} | claimed ε = {eps:g} at δ = {args.delta:g} | σ = {a.sigma:.4f} | "
+          f"end-to-end C = {a.clip:.3g}")
+    print(f"white-box  : ε_lb = {white:.3f} at 95% confidence, {args.trials} trials per world, "
+          f"ε_lb/ε = {white / eps:.2f}")
+    print(f"end-to-end : ε_lb = {e2e:.3f} at 95% confidence, {e2e_trials} trials per world, "
+          f"ε_lb/ε = {e2e / eps:.2f}; the image pair is {frac:.2f}·2C apart, so at most ε = {reach:.3f} shows")
+    print("ε_lb via μ-GDP (Nasr et al. 2023): assumes a Gaussian trade-off curve, as the audited mechanism has. "
+          "A lower bound: exceeding the claim shows a bug; staying below it proves nothing")
+    return 0 if white <= eps and e2e <= eps else 1
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.summarize:
@@ -849,7 +990,7 @@ def main(argv=None):
     model, transform = build_model(args)
     lookup = None
     if args.dataset == "imagenet_r":  # score the 1000-way head on the classes present, found by wnid
-        classes = sorted(set(_folder_class()(args.data, transform).imagenet_index))
+        classes = sorted(set(WnidFolder(args.data, transform).imagenet_index))
         model = ClassSubset(model, classes)
         lookup = torch.full((1000,), -1, dtype=torch.long)
         lookup[classes] = torch.arange(len(classes))
@@ -864,8 +1005,7 @@ def main(argv=None):
     try:
         with torch.autocast(device.type, torch.bfloat16, enabled=amp):
             adapter = DPTTA(model, args.method, eps=args.eps if private else None, delta=args.delta,
-                            clip=args.clip, lr=args.lr, seed=args.seed, setting=args.setting, fisher_data=fisher,
-                            chunk_size=16 if device.type == "cpu" else None)
+                            clip=args.clip, lr=args.lr, seed=args.seed, setting=args.setting, fisher_data=fisher)
     except ValueError as e:
         fail(str(e))
     ledger = privacy_ledger(adapter, len(args.corruptions))
@@ -924,7 +1064,6 @@ def main(argv=None):
     print(" | ".join(f"{a:8.1f}" for a in accuracy.values()) + f" | {mean:8.1f}")
     if skipped:
         print(f"{skipped} unreadable image(s) skipped in all")
-    import timm
     append_jsonl(args.out, {
         "mode": "adapt", "key": run_key(args), "settings": {k: v for k, v in vars(args).items()},
         "method": args.method, "eps": args.eps, "clip": adapter.clip, "lr": adapter.lr, "setting": args.setting,
@@ -934,145 +1073,6 @@ def main(argv=None):
         "images_per_s": images / wall, "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     print(f"mean top-1 {mean:.2f}% | {images / wall:.0f} img/s | {wall:.0f} s | appended to {args.out}")
     return 0
-
-
-def summarize(path):
-    """The paper's table: rows = methods, columns = non-private, clip-only, ε = 20 ... 1; mean ± std over seeds."""
-    if not os.path.exists(path):
-        fail(f"--summarize {path} does not exist")
-    with open(path) as f:
-        runs = [r for r in map(json.loads, filter(str.strip, f)) if r.get("mode") == "adapt"]
-    tables = {}
-    for r in runs:
-        s = r["settings"]
-        private = r["method"].startswith("dp_")
-        col = ("ε=inf" if math.isinf(r["eps"]) else f"ε={r['eps']:g}") if private else \
-              ("clip-only" if r["clip"] else "non-private")
-        table = tables.setdefault((s["dataset"], s["model"], r["setting"], s["severity"]), {})
-        table.setdefault(r["method"].removeprefix("dp_"), {}).setdefault(col, []).append(r["mean"])
-    for (dataset, model, setting, severity), table in tables.items():
-        cols = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in (20, 15, 10, 5, 1)]
-        extra = sorted({c for row in table.values() for c in row} - set(cols))
-        cols = [c for c in cols + extra if any(c in row for row in table.values())]
-        print(f"\n{dataset} severity {severity} | {model} | {setting} | mean top-1 % over seeds")
-        print(f"{'method':<12}" + "".join(f"{c:>16}" for c in cols))
-        for method in [m for m in ("source",) + BASES if m in table]:
-            cells = [table[method].get(c) for c in cols]
-            print(f"{method:<12}" + "".join(
-                f"{'':>16}" if v is None else f"{np.mean(v):>9.1f} ± {np.std(v):<4.1f}" for v in cells))
-    return 0
-
-
-def benchmark(args):
-    """One step of every method, non-private / clip-only / DP, timed side by side."""
-    import resource
-    import timm
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
-    amp = args.amp == "bf16" and device.type == "cuda"
-    name = args.model or ("vit_base_patch16_224" if device.type == "cuda" else "vit_small_patch16_224")
-    B = args.batch_size or (64 if device.type == "cuda" else 32)
-    rounds = args.rounds
-    torch.manual_seed(args.seed)
-    model = timm.create_model(name, pretrained=False).to(device)
-    size = timm.data.resolve_data_config({}, model=model)["input_size"]
-    x = torch.randn(B, *size, generator=torch.Generator().manual_seed(args.seed)).to(device)
-    variants = {"source": DPTTA(model, "source")}
-    for b in BASES:
-        variants[b] = DPTTA(model, b, lr=1e-5)
-        variants[b + " clip"] = DPTTA(model, b, lr=1e-5, clip=1.0)
-        variants["dp_" + b] = DPTTA(model, "dp_" + b, lr=1e-5, clip=1.0, eps=5.0,
-                                    chunk_size=16 if device.type == "cpu" else None)
-    for a in variants.values():  # random weights: open every filter so that each step is a full one
-        if a.kind != "source":
-            a.hp.update(e_margin=math.inf, d_margin=math.inf, deyo_margin=math.inf, plpd_threshold=-math.inf,
-                        reset_ema=-math.inf)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, peak = {k: [] for k in variants}, {}
-    for k, a in variants.items():  # warm-up, and memory: CUDA peak, or growth of the process peak RSS
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        with torch.autocast(device.type, torch.bfloat16, enabled=amp):
-            a(x)
-        sync()
-        peak[k] = (torch.cuda.max_memory_allocated() if device.type == "cuda" else
-                   (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) * 1024) / 2 ** 20
-    for r in range(rounds):  # interleaved: drift of the machine hits every variant alike
-        for k, a in variants.items():
-            t = time.perf_counter()
-            with torch.autocast(device.type, torch.bfloat16, enabled=amp):
-                a(x)
-            sync()
-            times[k].append(time.perf_counter() - t)
-    rows = []
-    print(f"benchmark | {name} | batch {B} | {device.type} | {'bf16' if amp else 'fp32'} | median of {rounds} "
-          f"interleaved rounds")
-    print(f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}{'per-sample g MiB':>18}")
-    for k, a in variants.items():
-        ms = 1000 * float(np.median(times[k]))
-        base = 1000 * float(np.median(times[k.split()[0].removeprefix("dp_")]))
-        psg = 0.0 if a.kind == "source" or a.clip is None else \
-            B * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20
-        rows.append({"variant": k, "ms": ms, "images_per_s": 1000 * B / ms, "ratio": ms / base,
-                     "peak_mib": peak[k], "per_sample_grad_mib": psg})
-        print(f"{k:<16}{ms:>10.1f}{1000 * B / ms:>9.1f}{ms / base:>8.2f}{peak[k]:>10.1f}{psg:>18.2f}")
-    tree = make_synthetic_tree(tempfile.mkdtemp(prefix="dptta-bench-"), ["gaussian_noise"], 5, 4 * B, size=375)
-    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
-    args.batch_size, args.device = B, device.type
-    _, loader = image_stream(os.path.join(tree, "gaussian_noise", "5"), transform, args)
-    t, n = time.perf_counter(), 0
-    for xb, _, _ in loader:
-        n += len(xb)
-    loader_rate = n / (time.perf_counter() - t)
-    print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG decode + timm transform, {args.workers} workers); "
-          f"the slowest step above needs {max(r['images_per_s'] for r in rows[1:]):.0f} img/s at most")
-    append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B, "device": device.type,
-                            "dtype": "bf16" if amp else "fp32", "rounds": rounds, "rows": rows,
-                            "loader_images_per_s": loader_rate, "versions": {"torch": torch.__version__}})
-    return 0
-
-
-def audit_cli(args):
-    """--audit: white-box and end-to-end ε lower bounds for --method at --eps on a small ViT."""
-    import timm
-    if not args.method.startswith("dp_"):
-        fail(f"--audit needs a dp_ method, not {args.method}")
-    eps = 5.0 if args.eps is None else args.eps
-    if not (eps > 0 and not math.isinf(eps)):
-        fail(f"--audit needs a finite --eps > 0, got {eps}")
-    torch.manual_seed(args.seed)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
-                              embed_dim=32, num_heads=2, num_classes=10)
-    a = DPTTA(model, args.method, eps=eps, delta=args.delta, clip=args.clip or 1.0, lr=args.lr or 0.1,
-              seed=args.seed)
-    g = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(4, 3, 32, 32, generator=g)
-    white = audit(a, x, trials=args.trials, seed=args.seed)
-    # end to end the canary is an image: to make the game strong, C sits below every candidate's
-    # gradient norm (both worlds clip) and the replacement is the candidate pointing furthest away
-    cands = 3 * torch.randn(16, 3, 32, 32, generator=g)
-    ctx = a._shuffled_probs(cands) if a.kind in ("deyo", "deyo_come") else None
-    flat = torch.cat([t.flatten(1) for t in per_sample_grads(a.model, a.params, a.loss, cands, ctx)[0].values()], 1)
-    norms = flat.norm(dim=1)
-    a.clip = args.clip or 0.5 * norms.min().item()
-    far = int((flat[1:] @ flat[0] / norms[1:]).argmin()) + 1
-    e2e_trials = max(args.trials // 10, 100)
-    e2e = audit(a, x, cands[0], cands[far], trials=e2e_trials)
-    # images cannot be made exactly opposite: the worlds are ‖clip(g_in) − clip(g_out)‖ = frac·2C apart,
-    # and no attack on this pair can show more than the ε of (frac·μ)-GDP
-    clipped = a.clip * flat[[0, far]] / norms[[0, far], None]
-    frac = ((clipped[0] - clipped[1]).norm() / (2 * a.clip)).item()
-    reach = gdp_epsilon(a.sigma / frac, args.delta) if a.sigma else math.inf
-    print(f"audit | {args.method} | claimed ε = {eps:g} at δ = {args.delta:g} | σ = {a.sigma:.4f} | "
-          f"end-to-end C = {a.clip:.3g}")
-    print(f"white-box  : ε_lb = {white:.3f} at 95% confidence, {args.trials} trials per world, "
-          f"ε_lb/ε = {white / eps:.2f}")
-    print(f"end-to-end : ε_lb = {e2e:.3f} at 95% confidence, {e2e_trials} trials per world, "
-          f"ε_lb/ε = {e2e / eps:.2f}; the image pair is {frac:.2f}·2C apart, so at most ε = {reach:.3f} shows")
-    print("ε_lb via μ-GDP (Nasr et al. 2023): assumes a Gaussian trade-off curve, as the audited mechanism has. "
-          "A lower bound: exceeding the claim shows a bug; staying below it proves nothing")
-    return 0 if white <= eps and e2e <= eps else 1
 
 
 if __name__ == "__main__":

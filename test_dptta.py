@@ -599,26 +599,45 @@ def test_cli_end_to_end_jsonl_ledger_skips_unreadable_and_episodic_resets(tree, 
     assert "skipped" in r.stdout
 
 
-def test_cli_scores_by_wordnet_id_on_a_subset_of_classes(tmp_path):
-    from timm.data import ImageNetInfo
-    wnid = ImageNetInfo().label_names()[900]
-    d = tmp_path / "c" / "shot_noise" / "5" / wnid
-    d.mkdir(parents=True)
-    from PIL import Image
-    for i in range(3):
-        Image.new("RGB", (40, 40), (i * 50, 0, 0)).save(d / f"{i}.JPEG")
+def always_900(path):
+    """A random ViT whose head always says class 900, saved as a checkpoint."""
     torch.manual_seed(0)
     m = timm.create_model(CLI_MODEL, pretrained=False)
-    with torch.no_grad():  # a head that always says class 900
+    with torch.no_grad():
         m.head.weight.zero_()
         m.head.bias.zero_()
         m.head.bias[900] = 10.0
-    torch.save(m.state_dict(), tmp_path / "always900.pth")
+    torch.save(m.state_dict(), path)
+    return path
+
+
+def image_folder(root, wnid, n=3):
+    from PIL import Image
+    root.joinpath(wnid).mkdir(parents=True)
+    for i in range(n):
+        Image.new("RGB", (40, 40), (i * 50, 0, 0)).save(root / wnid / f"{i}.JPEG")
+
+
+def test_cli_scores_by_wordnet_id_on_a_subset_of_classes(tmp_path):
+    from timm.data import ImageNetInfo
+    image_folder(tmp_path / "c" / "shot_noise" / "5", ImageNetInfo().label_names()[900])
     r = cli("--data", tmp_path / "c", "--corruptions", "shot_noise", "--model", CLI_MODEL, "--checkpoint",
-            tmp_path / "always900.pth", "--method", "source", "--workers", 0, "--out", tmp_path / "r.jsonl")
+            always_900(tmp_path / "900.pth"), "--method", "source", "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
     with open(tmp_path / "r.jsonl") as f:
         assert json.loads(f.readline())["accuracy"]["shot_noise"] == 100.0  # ImageFolder's index would be 0
+
+
+def test_cli_imagenet_r_scores_on_the_classes_present(tmp_path):
+    from timm.data import ImageNetInfo
+    names = ImageNetInfo().label_names()
+    for k in (1, 900):  # two of ImageNet-R's classes: the head is read at [1, 900] only
+        image_folder(tmp_path / "r", names[k])
+    r = cli("--data", tmp_path / "r", "--dataset", "imagenet_r", "--model", CLI_MODEL, "--checkpoint",
+            always_900(tmp_path / "900.pth"), "--method", "tent", "--workers", 0, "--out", tmp_path / "r.jsonl")
+    assert r.returncode == 0, r.stderr
+    with open(tmp_path / "r.jsonl") as f:
+        assert json.loads(f.readline())["accuracy"] == {"imagenet_r": 50.0}
 
 
 def bad_input_cases(root, ckpt):
@@ -745,3 +764,17 @@ def test_end_to_end_audit_through_the_adapter():
     lb = dptta.audit(a, x, 3 * images(1, 7)[0], -3 * images(1, 8)[0], trials=300)
     assert 0 <= lb <= 1
     assert all(torch.equal(before[n], p) for n, p in a.params.items())  # the adapter is left reset
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(method="dp_tent", clip=0.0, lr=0.1, eps=1), "clip must be > 0"),
+    (dict(method="tent", clip=-1.0, lr=0.1), "clip must be > 0"),
+    (dict(method="tent", lr=0.0), "lr must be > 0"),
+    (dict(method="dp_tent", lr=0.1), "needs eps"),
+    (dict(method="tent", eps=1.0), "dp_ methods only"),
+    (dict(method="dp_tent", eps=-1.0), "eps must be > 0"),
+    (dict(method="tentt"), "unknown method")])
+def test_adapter_rejects_bad_arguments_with_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=message) as e:
+        dptta.DPTTA(tiny_vit(), **kwargs)
+    assert "\n" not in str(e.value)
