@@ -26,10 +26,11 @@ Other modes: --benchmark (cost of privacy), --audit (empirical ε lower bound),
     logits = adapter(x)   # predicts with the current θ, then takes a private step
 """
 import argparse
-import copy
+import ctypes
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -189,14 +190,14 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
         return vmap(grad(loss_one, has_aux=True), in_dims=in_dims, chunk_size=chunk_size)(params, x, ctx)
 
 
-def clip_and_noise(per_sample_grads, clip, sigma, generator, stats=None):
+def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
     """Δ = (Σ_i g_i·min(1, C/‖g_i‖₂) + N(0, σ²C²I)) / B, the norm taken over all tensors jointly.
 
     The noise is calibrated to the *sum* (sensitivity 2C under replace-one) and
     only then divided by B: noise σC/B on a mean would be B times too small.
     Everything runs in fp32, also under bf16 autocast: a rounded clip factor can
     push a norm over C, and bf16 noise has too few bits to be Gaussian.
-    A non-finite g_i counts as zero (tallied in stats["nonfinite"] if given). That
+    A non-finite g_i counts as zero (counted in tally["nonfinite"] if given). That
     keeps the guarantee: the decision depends on sample i alone and zero has norm
     <= C, so replacing sample i still moves the sum by at most 2C. The tally is
     a fact about the data: it is not covered by the guarantee, do not publish it.
@@ -209,8 +210,8 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, stats=None):
         finite = torch.isfinite(norms)
         # min(1, C/‖g_i‖), and 0 for a non-finite g_i
         factor = torch.where(finite, (clip / norms.clamp(min=1e-12)).clamp(max=1.0), 0.0)
-        if stats is not None:
-            stats["nonfinite"] = stats.get("nonfinite", 0) + (~finite).sum()
+        if tally is not None:
+            tally["nonfinite"] = tally.get("nonfinite", 0) + (~finite).sum()
         out = {}
         for name, t in g.items():
             t = torch.where(finite.view(-1, *[1] * (t.dim() - 1)), t, 0.0)  # NaN·0 is NaN: select first
@@ -414,7 +415,7 @@ class DPTTA(nn.Module):
                 print(f"{method}: no fisher_data given, so no anti-forgetting penalty", file=sys.stderr)
             else:
                 self.fisher = fisher_information(model, self.params, fisher_data, fisher_size)
-        self.stats = {}
+        self.tally = {}
         self.reset()
 
     def reset(self):
@@ -476,7 +477,7 @@ class DPTTA(nn.Module):
             if not keep.any():
                 return logits, None, keep
             g = {n: t[keep] for n, t in g.items()}
-        return logits, clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.stats), keep
+        return logits, clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally), keep
 
     def forward(self, x):
         if self.kind == "source":
@@ -880,7 +881,8 @@ def benchmark(args):
     for k, a in variants.items():  # warm-up, and the step's peak memory: CUDA allocated, or RSS
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        else:  # Linux: "5" resets the peak RSS (VmHWM) to the current RSS
+        else:  # Linux: hand freed memory back (glibc keeps it), then "5" resets the peak RSS (VmHWM)
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
             rss = _proc_status_kb("VmRSS")
@@ -917,6 +919,7 @@ def benchmark(args):
     for xb, _, _ in loader:
         n += len(xb)
     loader_rate = n / (time.perf_counter() - t)
+    shutil.rmtree(tree, ignore_errors=True)
     print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG decode + timm transform, {args.workers} workers); "
           f"the slowest step above needs {max(r['images_per_s'] for r in rows[1:]):.0f} img/s at most")
     append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B, "device": device.type,
@@ -1072,6 +1075,8 @@ def main(argv=None):
         "ledger": ledger, "accuracy": accuracy, "drift": drift, "mean": mean, "images": images, "skipped": skipped,
         "images_per_s": images / wall, "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     print(f"mean top-1 {mean:.2f}% | {images / wall:.0f} img/s | {wall:.0f} s | appended to {args.out}")
+    if args.synthetic:
+        shutil.rmtree(args.data, ignore_errors=True)
     return 0
 
 

@@ -237,7 +237,7 @@ def test_noise_std_independence_and_seed():
 
 def test_neighbouring_releases_are_mu_gdp_by_monte_carlo():
     """Replace one sample by its opposite: the release moves by 2C/B and the noise is σC/B: μ = 2/σ."""
-    C, sigma, B, T = 1.0, 2.0, 4, 20000
+    C, sigma, T = 1.0, 2.0, 20000
     base, _ = grads_of_norms([5.0, 0.3, 2.0, 7.0], shapes=((6,),))
     other = {"t0": base["t0"].clone()}
     other["t0"][0] *= -1
@@ -254,12 +254,12 @@ def test_nonfinite_sample_is_zeroed_counted_and_harmless():
     g, _ = grads_of_norms([0.5, 2.0, 3.0])
     bad = {n: t.clone() for n, t in g.items()}
     bad["t1"][1, 0, 0] = float("nan")
-    stats = {}
-    out = dptta.clip_and_noise(bad, 1.0, 0.0, torch.Generator(), stats)
+    tally = {}
+    out = dptta.clip_and_noise(bad, 1.0, 0.0, torch.Generator(), tally)
     rest = dptta.clip_and_noise({n: t[[0, 2]] for n, t in g.items()}, 1.0, 0.0, torch.Generator())
     for n in out:  # the others' contribution is untouched; the divisor is still B = 3
         torch.testing.assert_close(out[n], rest[n] * 2 / 3)
-    assert int(stats["nonfinite"]) == 1
+    assert int(tally["nonfinite"]) == 1
 
 
 # ----------------------------------------------------------------------------
@@ -778,3 +778,19 @@ def test_adapter_rejects_bad_arguments_with_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as e:
         dptta.DPTTA(tiny_vit(), **kwargs)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("method", dptta.BASES)
+def test_clip_only_originals_and_batch_of_one(method):
+    """The clip-only variant of every original steps and predicts first; DP works at batch size 1."""
+    m = tiny_vit()
+    a = dptta.DPTTA(m, method, **kw(method, clip=0.5, e_margin=10.0))
+    x = images(6)
+    with torch.no_grad():
+        want = copy.deepcopy(m)(x)
+    torch.testing.assert_close(a(x), want)
+    assert any(not torch.equal(a.theta0[n], p) for n, p in a.params.items())
+    b = dptta.DPTTA(tiny_vit(), "dp_" + method, eps=5, clip=1.0, lr=0.1)
+    for i in range(3):
+        assert b(images(1, i)).shape == (1, K)
+    assert any(not torch.equal(b.theta0[n], p) for n, p in b.params.items())
