@@ -642,8 +642,14 @@ class WnidFolder(ImageFolder):
 
 
 def collate_skipping(batch):
+    """(x, y, unreadable): an unreadable image becomes a gray placeholder labelled −1. It is
+    not scored, but it still counts in B: the divisor never depends on whether a file could
+    be read, and the placeholder is just another image, clipped like any (change-one)."""
     good = [b for b in batch if b is not None]
-    x, y = default_collate(good) if good else (None, None)
+    if not good:
+        return None, None, len(batch)
+    blank = (torch.zeros_like(good[0][0]), -1)
+    x, y = default_collate([blank if b is None else b for b in batch])
     return x, y, len(batch) - len(good)
 
 
@@ -1044,12 +1050,12 @@ def main(argv=None):
             if x is None:
                 continue
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            if lookup is not None:
-                y = lookup[y]
+            if lookup is not None:  # ImageNet-1k index -> position among the classes scored
+                y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
             with torch.autocast(device.type, torch.bfloat16, enabled=amp):
                 logits = adapter(x)
             correct += (logits.argmax(1) == y).sum()  # stays on the device: no sync per step
-            seen += len(y)
+            seen += len(y) - n_bad  # placeholders (y = −1) never match and are not counted
             if (i + 1) % args.log_every == 0:
                 print(f"  {c} {seen}/{len(loader.dataset)} top-1 {100 * correct.item() / seen:.1f}% "
                       f"{seen / (time.time() - t0):.0f} img/s", flush=True)

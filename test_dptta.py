@@ -794,3 +794,12 @@ def test_clip_only_originals_and_batch_of_one(method):
     for i in range(3):
         assert b(images(1, i)).shape == (1, K)
     assert any(not torch.equal(b.theta0[n], p) for n, p in b.params.items())
+
+
+def test_unreadable_image_keeps_its_place_in_the_batch():
+    """B is the number of files: a placeholder (label −1, never scored) stands in for an unreadable one."""
+    img = torch.ones(3, 4, 4)
+    x, y, bad = dptta.collate_skipping([(img, 5), None, (img, 7)])
+    assert x.shape == (3, 3, 4, 4) and y.tolist() == [5, -1, 7] and bad == 1
+    assert torch.equal(x[1], torch.zeros(3, 4, 4))
+    assert dptta.collate_skipping([None, None]) == (None, None, 2)
