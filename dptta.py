@@ -783,10 +783,15 @@ def check_args(args):
     for flag, path in (("checkpoint", args.checkpoint), ("fisher-data", args.fisher_data)):
         if path and not os.path.exists(path):
             fail(f"--{flag} {path} does not exist")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda, but no CUDA device is visible")
-    args.device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = pick_device(args.device)
     return args
+
+
+def pick_device(name):
+    """auto = cuda if one is visible, else cpu: decided here only."""
+    if name == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but no CUDA device is visible")
+    return name if name != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def build_model(args):
@@ -863,8 +868,7 @@ def _proc_status_kb(field):
 
 def benchmark(args):
     """One step of every method, non-private / clip-only / DP, timed side by side."""
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(pick_device(args.device))
     amp = args.amp == "bf16" and device.type == "cuda"
     name = args.model or ("vit_base_patch16_224" if device.type == "cuda" else "vit_small_patch16_224")
     B = args.batch_size or (64 if device.type == "cuda" else 32)
@@ -1008,7 +1012,9 @@ def main(argv=None):
     if device.type == "cuda" and not hasattr(model, "blocks"):  # convolutional trunks like channels_last
         model = model.to(memory_format=torch.channels_last)
     fisher = None
-    if args.fisher_data and args.method.removeprefix("dp_") == "eata":
+    if args.fisher_data and args.method.removeprefix("dp_") != "eata":
+        print(f"note: --fisher-data is used by eata and dp_eata only, not {args.method}")
+    elif args.fisher_data:
         _, loader = image_stream(args.fisher_data, transform, args)
         fisher = (x.to(device) for x, _, _ in loader if x is not None)
     try:
