@@ -172,7 +172,15 @@ def test_batchnorm_model_is_refused_for_private_adaptation():
 # ----------------------------------------------------------------------------
 # Per-sample gradients
 
-@pytest.mark.parametrize("make", [tiny_vit, tiny_convnext])
+def tiny_groupnorm_cnn(dtype=torch.float32):
+    """Not timm: a GroupNorm convnet (ResNet-GN style), and no blocks/stages to skip."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 8, 3, 2),
+                         nn.GroupNorm(4, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, K)).to(dtype).eval()
+
+
+@pytest.mark.parametrize("make", [tiny_vit, tiny_convnext, tiny_groupnorm_cnn])
 def test_per_sample_grads_equal_a_plain_loop(make):
     m = make(torch.float64)
     x = images(5, dtype=torch.float64)
@@ -819,3 +827,20 @@ def test_dp_step_does_not_peek_at_other_samples(method):
                                                             5 * images(3, 61, torch.float64)))
     assert one.abs().max() > 1e-4  # the swap matters ...
     torch.testing.assert_close(one, other, rtol=1e-5, atol=1e-8)  # ... the same with any company (fp32 sums)
+
+
+def test_groupnorm_model_adapts_all_norms_even_with_skip_top():
+    m = tiny_groupnorm_cnn()
+    assert sorted(dptta.adaptable_params(m, skip_top=True)) == ["1.bias", "1.weight", "4.bias", "4.weight"]
+    a = dptta.DPTTA(m, "dp_deyo", eps=5, clip=1.0, lr=0.1)
+    a(images(4))
+    assert any(not torch.equal(a.theta0[n], p) for n, p in a.params.items())
+
+
+def test_cli_eata_uses_fisher_data(tree, tmp_path):
+    root, _ = tree
+    r, rec = adapt(tree, tmp_path / "r.jsonl", "--method", "dp_eata", "--eps", 5, "--fisher-data",
+                   root / "shot_noise" / "5", "--corruptions", "gaussian_noise")
+    assert "no anti-forgetting penalty" not in r.stderr and rec["method"] == "dp_eata"
+    r, _ = adapt(tree, tmp_path / "r.jsonl", "--method", "dp_eata", "--eps", 5)
+    assert "no anti-forgetting penalty" in r.stderr
