@@ -861,9 +861,18 @@ def summarize(path):
     return 0
 
 
-def _proc_status_kb(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+def _rss_mib(field, reset=False):
+    """Linux: the process's RSS ("VmRSS") or its peak ("VmHWM") in MiB, NaN elsewhere. reset: hand
+    freed memory back (glibc keeps it), then restart the peak from the current RSS ("5")."""
+    try:
+        if reset:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 2 ** 10
+    except (OSError, StopIteration):
+        return math.nan
 
 
 def benchmark(args):
@@ -891,16 +900,13 @@ def benchmark(args):
     for k, a in variants.items():  # warm-up, and the step's peak memory: CUDA allocated, or RSS
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        else:  # Linux: hand freed memory back (glibc keeps it), then "5" resets the peak RSS (VmHWM)
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            rss = _proc_status_kb("VmRSS")
+        else:
+            rss = _rss_mib("VmRSS", reset=True)
         with torch.autocast(device.type, torch.bfloat16, enabled=amp):
             a(x)
         sync()
         peak[k] = (torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else
-                   (_proc_status_kb("VmHWM") - rss) / 2 ** 10)
+                   _rss_mib("VmHWM") - rss)
     for r in range(rounds):  # interleaved: drift of the machine hits every variant alike
         for k, a in variants.items():
             t = time.perf_counter()
