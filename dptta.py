@@ -451,8 +451,11 @@ class DPTTA(nn.Module):
                 self.m = mean if self.m is None else 0.9 * self.m + 0.1 * mean
         return new if keep is None else keep & new
 
-    def _shuffled_probs(self, x):
-        # DeYO's extra forward on the patch-shuffled x′, batched and without gradient
+    def context(self, x):
+        """What ℓ_i reads besides its logits: DeYO's softmax on the patch-shuffled x′ (an extra
+        forward, batched, without gradient); None for the other methods."""
+        if self.kind not in ("deyo", "deyo_come"):
+            return None
         with torch.no_grad():
             xs = patch_shuffle(x, self.hp["patch_grid"], self.shuffle_gen)
             return self.model(xs).float().softmax(-1)
@@ -483,7 +486,7 @@ class DPTTA(nn.Module):
         if self.kind == "source":
             with torch.no_grad():
                 return self.model(x)
-        ctx = self._shuffled_probs(x) if self.kind in ("deyo", "deyo_come") else None
+        ctx = self.context(x)
         if self.kind == "sar" and not self.private:
             logits, g, keep = self._grad(x, ctx)
             if g is not None:  # SAM: the gradient at θ + ρ·g/‖g‖, re-filtered there, steps from θ
@@ -563,6 +566,12 @@ def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
     return gdp_epsilon(2 / lb, delta) if lb > 0 else 0.0  # μ = 2/σ
 
 
+def flat_sample_grads(adapter, x):
+    """The adapter's per-sample gradients at θ, one row per sample: the joint clip's view."""
+    g = per_sample_grads(adapter.model, adapter.params, adapter.loss, x, adapter.context(x))[0]
+    return torch.cat([t.flatten(1).float() for t in g.values()], 1)
+
+
 def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0, gaussian=True):
     """Play the change-one game against a private adapter; return ε_lb at `confidence`.
 
@@ -577,23 +586,16 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
     x + image, and the attacker sees only the adapted parameters.
     """
     a = adapter
-    ctx = a._shuffled_probs(x) if a.kind in ("deyo", "deyo_come") else None
-    g = per_sample_grads(a.model, a.params, a.loss, x, ctx)[0]
-    flat = torch.cat([t.flatten(1).float() for t in g.values()], 1)
     if canary is None:
+        flat = flat_sample_grads(a, x)
         u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed)).to(flat.device)
         u = 10 * a.clip * u / u.norm()
         worlds = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)]
         d = 2 * a.clip * u / u.norm()
     else:
         worlds = [torch.cat([x, img[None]]) for img in (canary, replacement)]
-        last = []
-        for w in worlds:
-            c = a._shuffled_probs(w)[-1:] if ctx is not None else None
-            gw = per_sample_grads(a.model, a.params, a.loss, w[-1:], c)[0]
-            last.append(clip_and_noise({"θ": torch.cat([t.flatten(1).float() for t in gw.values()], 1)},
-                                       a.clip, 0.0, None)["θ"])
-        d = last[0] - last[1]
+        d = torch.sub(*(clip_and_noise({"θ": flat_sample_grads(a, img[None])}, a.clip, 0.0, None)["θ"]
+                        for img in (canary, replacement)))
     scores = [[], []]
     for _ in range(trials):
         for i, w in enumerate(worlds):
@@ -962,8 +964,7 @@ def audit_cli(args):
     # end to end the canary is an image: to make the game strong, C sits below every candidate's
     # gradient norm (both worlds clip) and the replacement is the candidate pointing furthest away
     cands = 3 * torch.randn(16, 3, 32, 32, generator=g)
-    ctx = a._shuffled_probs(cands) if a.kind in ("deyo", "deyo_come") else None
-    flat = torch.cat([t.flatten(1) for t in per_sample_grads(a.model, a.params, a.loss, cands, ctx)[0].values()], 1)
+    flat = flat_sample_grads(a, cands)
     norms = flat.norm(dim=1)
     a.clip = args.clip or 0.5 * norms.min().item()
     far = int((flat[1:] @ flat[0] / norms[1:]).argmin()) + 1

@@ -426,7 +426,7 @@ def test_weighted_per_sample_losses_equal_a_plain_loop(method):
     m = tiny_vit(torch.float64)
     a = dptta.DPTTA(m, method, eps=5, clip=1.0, lr=1e-3)
     x = images(5, dtype=torch.float64)
-    ctx = a._shuffled_probs(x).double() if "deyo" in method else None
+    ctx = a.context(x).double() if "deyo" in method else None
     g, _ = dptta.per_sample_grads(m, a.params, a.loss, x, ctx)
     want = loop_grads(m, list(a.params), a.loss, x, ctx)
     for n in want:
