@@ -17,7 +17,7 @@ made before that image is used, but it is a function of the image itself and
 so is returned to its owner, not released.
 
 Quick start (no data, no GPU, random weights, about a minute):
-    python dptta.py --synthetic 32 --method dp_tent --eps 5
+    python dptta.py --synthetic 16 --method dp_tent --eps 5
 ImageNet-C on a GPU (a header, a line per corruption, a table, a JSONL record):
     python dptta.py --data /data/ImageNet-C --method dp_deyo --eps 5
 Other modes: --benchmark (cost of privacy), --audit (empirical ε lower bound),

@@ -6,7 +6,7 @@
 #   ./run_imagenet_c.sh tune           choose C and lr on the 4 held-out corruptions -> $TUNED
 #   ./run_imagenet_c.sh --tuned        main grid with the C and lr from $TUNED instead of the paper's
 #   sbatch --array=0-$(( $(./run_imagenet_c.sh --count) - 1 )) --gres=gpu:1 run_imagenet_c.sh
-#                                      SLURM: each array task runs one cell of the grid
+#                                      SLURM (submit from the repo): each array task runs one cell
 #                                      (add "tune" or "--tuned" after the script name as above)
 # Environment: IMAGENET_C (data root), SEEDS ("0 1 2"), SETTINGS ("continual episodic"),
 #   OUT (results.jsonl), TUNE_OUT (tune.jsonl), TUNED (tuned.json), EXTRA (more dptta.py flags,
@@ -17,7 +17,7 @@
 #   (1 source + 5 methods x 7 columns) x 2 settings = 72 cells per seed, ~16 GPU-hours per seed.
 #   The tune stage is 5 x 45 x 6 x 2 = 2,700 cells on 4 corruptions: use EXTRA="--limit 2000".
 set -euo pipefail
-cd "$(dirname "$0")"
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script: go back to the repo
 SEEDS=${SEEDS:-"0 1 2"}; SETTINGS=${SETTINGS:-"continual episodic"}
 OUT=${OUT:-results.jsonl}; TUNE_OUT=${TUNE_OUT:-tune.jsonl}; TUNED=${TUNED:-tuned.json}; EXTRA=${EXTRA:-}
 stage=main; dry=0; count=0; tuned=0
