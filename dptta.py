@@ -656,12 +656,11 @@ def collate_skipping(batch):
 
 
 def image_stream(folder, transform, args, limit=None):
-    """(dataset, loader): a seeded shuffle of the folder's images, first `limit` only."""
+    """A DataLoader over a seeded shuffle of the folder's images, the first `limit` only."""
     ds = WnidFolder(folder, transform)
     order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(args.seed))[:limit].tolist()
-    loader = DataLoader(Subset(ds, order), args.batch_size, num_workers=args.workers, collate_fn=collate_skipping,
-                        pin_memory=args.device == "cuda", persistent_workers=args.workers > 0)
-    return ds, loader
+    return DataLoader(Subset(ds, order), args.batch_size, num_workers=args.workers, collate_fn=collate_skipping,
+                      pin_memory=args.device == "cuda", persistent_workers=args.workers > 0)
 
 
 class ClassSubset(nn.Module):
@@ -886,8 +885,8 @@ def benchmark(args):
     rounds = args.rounds
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(device)
-    size = timm.data.resolve_data_config({}, model=model)["input_size"]
-    x = torch.randn(B, *size, generator=torch.Generator().manual_seed(args.seed)).to(device)
+    data_config = timm.data.resolve_data_config({}, model=model)
+    x = torch.randn(B, *data_config["input_size"], generator=torch.Generator().manual_seed(args.seed)).to(device)
     variants = {"source": DPTTA(model, "source")}
     for b in BASES:
         variants[b] = DPTTA(model, b, lr=1e-5)
@@ -930,9 +929,9 @@ def benchmark(args):
                      "peak_mib": peak[k], "per_sample_grad_mib": psg})
         print(f"{k:<16}{ms:>10.1f}{1000 * B / ms:>9.1f}{ms / base:>8.2f}{peak[k]:>10.1f}{psg:>18.2f}")
     tree = make_synthetic_tree(tempfile.mkdtemp(prefix="dptta-bench-"), ["gaussian_noise"], 5, 4 * B, size=375)
-    transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
+    transform = timm.data.create_transform(**data_config)
     args.batch_size, args.device = B, device.type
-    _, loader = image_stream(os.path.join(tree, "gaussian_noise", "5"), transform, args)
+    loader = image_stream(os.path.join(tree, "gaussian_noise", "5"), transform, args)
     t, n = time.perf_counter(), 0
     for xb, _, _ in loader:
         n += len(xb)
@@ -972,7 +971,7 @@ def audit_cli(args):
     e2e = audit(a, x, cands[0], cands[far], trials=e2e_trials)
     # images cannot be made exactly opposite: the worlds are ‖clip(g_in) − clip(g_out)‖ = frac·2C apart,
     # and no attack on this pair can show more than the ε of (frac·μ)-GDP
-    clipped = a.clip * flat[[0, far]] / norms[[0, far], None]
+    clipped = [clip_and_noise({"θ": flat[i:i + 1]}, a.clip, 0.0, None)["θ"] for i in (0, far)]
     frac = ((clipped[0] - clipped[1]).norm() / (2 * a.clip)).item()
     reach = gdp_epsilon(a.sigma / frac, args.delta) if a.sigma else math.inf
     print(f"audit | {args.method} | claimed ε = {eps:g} at δ = {args.delta:g} | σ = {a.sigma:.4f} | "
@@ -1003,8 +1002,9 @@ def main(argv=None):
     args.clip = args.clip if args.clip is not None else C
     args.lr = args.lr if args.lr is not None else lr
     if args.resume and os.path.exists(args.out):
+        key = json.loads(json.dumps(run_key(args)))  # as it reads back from JSON (lists, not tuples)
         with open(args.out) as f:
-            if any(json.loads(line).get("key") == json.loads(json.dumps(run_key(args))) for line in f if line.strip()):
+            if any(json.loads(line).get("key") == key for line in f if line.strip()):
                 print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed} {args.setting}; skipped")
                 return 0
     model, transform = build_model(args)
@@ -1022,7 +1022,7 @@ def main(argv=None):
     if args.fisher_data and args.method.removeprefix("dp_") != "eata":
         print(f"note: --fisher-data is used by eata and dp_eata only, not {args.method}")
     elif args.fisher_data:
-        _, loader = image_stream(args.fisher_data, transform, args)
+        loader = image_stream(args.fisher_data, transform, args)
         fisher = (x.to(device) for x, _, _ in loader if x is not None)
     try:
         with torch.autocast(device.type, torch.bfloat16, enabled=amp):
@@ -1056,7 +1056,7 @@ def main(argv=None):
     for c in args.corruptions:
         if args.setting == "episodic":
             adapter.reset()
-        _, loader = image_stream(stream_folder(args, c), transform, args, args.limit)
+        loader = image_stream(stream_folder(args, c), transform, args, args.limit)
         correct, seen, bad, t0 = torch.zeros((), dtype=torch.long, device=device), 0, 0, time.time()
         for i, (x, y, n_bad) in enumerate(loader):
             bad += n_bad
