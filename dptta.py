@@ -26,10 +26,13 @@ Other modes: --benchmark (cost of privacy), --audit (empirical ε lower bound),
     logits = adapter(x)   # predicts with the current θ, then takes a private step
 """
 import argparse
+import collections
+import contextlib
 import ctypes
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -44,7 +47,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from PIL import Image
 from scipy import optimize, special, stats
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import DataLoader, Subset, default_collate
 from torchvision.datasets import ImageFolder
 
@@ -125,37 +129,45 @@ def gdp_epsilon(sigma, delta):
 # ----------------------------------------------------------------------------
 # Per-sample gradients, clipping and noise
 
-# LayerNorm covers timm's LayerNorm and ConvNeXt's LayerNorm2d (subclasses).
-NORMS = (nn.LayerNorm, nn.GroupNorm)
+# LayerNorm covers timm's LayerNorm and ConvNeXt's LayerNorm2d (subclasses); _BatchNorm
+# covers BatchNorm1d/2d/3d and timm's BatchNormAct2d.
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
 
 
 def _trunk_cut(model):
-    """Name of the first module of the trunk's top: the last 3 ViT blocks or the last stage."""
+    """Name of the first module of the trunk's top: ViT's last 3 blocks, the last stage of a
+    staged net (ConvNeXt's `stages`), or a ResNet's last `layerN`."""
+    resnet_layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("blocks", "stages") and isinstance(module, (nn.Sequential, nn.ModuleList)):
             top = len(module) - (3 if leaf == "blocks" else 1)
             if top > 0:
                 return f"{name}.{top}"
-    return None
+        if re.fullmatch(r"layer\d+", leaf) and isinstance(module, nn.Sequential):
+            resnet_layers.append((int(leaf[5:]), name))
+    return max(resnet_layers)[1] if len(resnet_layers) > 1 else None
 
 
 def adaptable_params(model, *, skip_top=False, private=True):
-    """The affine parameters of the LayerNorm/GroupNorm layers to adapt, by name.
+    """The affine parameters of the normalization layers to adapt, by name.
 
     skip_top=True (SAR, DeYO) keeps only the norms registered before the top of
-    the trunk: ViT blocks 0..n-4 (ViT-B/16: blocks 0-8, not the final norm), or
-    for staged nets (ConvNeXt) the stem and every stage but the last.
-    BatchNorm is refused when private: a BN layer normalizes each sample with
-    statistics of the whole batch, so one sample's gradient depends on the others
-    and its clipped norm no longer bounds what it can change.
+    the trunk: ViT blocks 0..n-4 (ViT-B/16: blocks 0-8, not the final norm), for
+    staged nets (ConvNeXt) the stem and every stage but the last, for ResNets
+    everything before layer4.
+    private=True (DP, and any per-sample clipping) refuses BatchNorm: a BN layer
+    normalizes each sample with statistics of the whole batch, so one sample's
+    gradient depends on the others and its clipped norm no longer bounds what it
+    can change. The non-private originals adapt BN's affine parameters as Tent does.
     """
     if private:
         bn = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if bn:
             raise ValueError(
-                f"private adaptation needs per-sample gradients, but BatchNorm ({bn[0]}, ...) mixes "
-                "samples of a batch; use a LayerNorm/GroupNorm model (ViT, ConvNeXt, ResNet-GN)")
+                f"per-sample gradients (dp_ methods, clip) need samples that do not mix, but "
+                f"BatchNorm ({bn[0]}, ...) mixes the samples of a batch; use a LayerNorm/GroupNorm "
+                "model (ViT, ConvNeXt, ResNet-GN), or the original method without clip")
     cut, params, past_cut = _trunk_cut(model) if skip_top else None, {}, False
     for name, module in model.named_modules():
         past_cut = past_cut or name == cut
@@ -163,8 +175,11 @@ def adaptable_params(model, *, skip_top=False, private=True):
             for pname, p in module.named_parameters(recurse=False):
                 params[f"{name}.{pname}"] = p
     if not params:
-        raise ValueError("the model has no LayerNorm/GroupNorm affine parameters to adapt")
+        raise ValueError("the model has no normalization-layer affine parameters to adapt")
     return params
+
+
+VMAP_FALLBACKS = collections.Counter()  # op -> calls that vmap ran once per sample (should stay 0)
 
 
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
@@ -173,21 +188,75 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     params: {name: tensor} to differentiate (the adapted ones); every other
     parameter and buffer is passed unbatched and frozen. loss_fn maps logits
     [N, K] (and ctx [N, ...]) to per-sample losses [N]. Returns ({name: [B, *shape]}, logits).
+
+    How: sample i gets its own copy θ_i of the adapted parameters, and the forward
+    and the loss run under vmap over (θ_i, x_i, ctx_i), so ℓ_i reads sample i alone.
+    Then ONE ordinary backward of Σ_i ℓ_i: ℓ_j does not touch θ_i, so ∂(Σ_j ℓ_j)/∂θ_i = g_i
+    exactly. Autograd runs outside vmap, so every backward kernel (fused attention
+    included, which has no vmap rule for its backward) runs once on the whole batch;
+    vmap(grad(ℓ)) would run those kernels once per sample.
+    chunk_size: samples per forward/backward (None = the whole batch).
     """
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
 
-    def loss_one(p, xi, ci):
-        logits = functional_call(model, (p, frozen), (xi[None],))
-        return loss_fn(logits, None if ci is None else ci[None]).sum(), logits[0]
+    def loss_one(theta_i, xi, ci):  # under vmap: one sample, its own θ_i
+        logits = functional_call(model, (theta_i, frozen), (xi[None],))
+        return loss_fn(logits, None if ci is None else ci[None])[0], logits[0]
 
-    in_dims = (None,                         # the adapted parameters: shared by every sample
+    in_dims = (0,                            # θ_i: every sample its own copy
                0,                            # x: one image per call
                None if ctx is None else 0)   # per-sample context, e.g. DeYO's shuffled probs
-    params = {n: p.detach() for n, p in params.items()}
-    with warnings.catch_warnings():  # CPU fused attention has no batching rule and loops per sample:
-        warnings.filterwarnings("ignore", "There is a performance drop")  # known, and still fastest
-        return vmap(grad(loss_one, has_aux=True), in_dims=in_dims, chunk_size=chunk_size)(params, x, ctx)
+    # CPU's fused attention kernel has no vmap rule even for its forward: the math backend
+    # (plain matmuls and softmax) batches. CUDA's flash/efficient/cuDNN forwards do batch.
+    attention = sdpa_kernel(SDPBackend.MATH) if x.device.type == "cpu" else contextlib.nullcontext()
+
+    def batched_pass():
+        grads, logits, step = [], [], chunk_size or len(x)
+        for s in range(0, len(x), step):
+            xs, cs = x[s:s + step], None if ctx is None else ctx[s:s + step]
+            theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_() for n, p in params.items()}
+            losses, z = vmap(loss_one, in_dims)(theta, xs, cs)
+            grads.append(torch.autograd.grad(losses.sum(), list(theta.values()),
+                                             allow_unused=True, materialize_grads=True))
+            logits.append(z.detach())
+        return {n: torch.cat([g[k] for g in grads]) for k, n in enumerate(params)}, torch.cat(logits)
+
+    with attention:
+        return _without_fallback(batched_pass)
+
+
+def _without_fallback(fn):
+    """fn() with vmap's per-sample fallback made an error; if an op needs it anyway, warn once
+    per op, say what to do, count it (VMAP_FALLBACKS) and run fn() again allowing it (exact,
+    slow). A caller that has disabled the fallback itself gets the error."""
+    functorch = torch._C._functorch
+    allowed = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(False)
+    try:
+        return fn()
+    except RuntimeError as e:
+        op = re.search(r"(\S+) hit the vmap fallback", str(e))
+        if not (op and allowed):
+            raise
+    finally:
+        functorch._set_vmap_fallback_enabled(allowed)
+    VMAP_FALLBACKS[op[1]] += 1
+    if VMAP_FALLBACKS[op[1]] == 1:
+        warnings.warn(f"per_sample_grads: {op[1]} has no vmap batching rule, so it runs once per "
+                      "sample (exact, slow); use another op in the model, e.g. non-fused attention "
+                      "(timm: fused_attn=False)", stacklevel=3)
+    functorch._set_vmap_fallback_warning_enabled(False)  # said once above, not at every call
+    try:
+        return fn()
+    finally:
+        functorch._set_vmap_fallback_warning_enabled(True)
+
+
+def at_least_fp32(t):
+    """bf16/fp16 -> fp32 (a rounded clip factor can push a norm over C; bf16 noise is too coarse
+    to be Gaussian), and fp64 stays fp64."""
+    return t.double() if t.dtype == torch.float64 else t.float()
 
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
@@ -203,7 +272,7 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
     a fact about the data: it is not covered by the guarantee, do not publish it.
     """
     with torch.autocast(next(iter(per_sample_grads.values())).device.type, enabled=False):
-        g = {n: t.float() for n, t in per_sample_grads.items()}
+        g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
         B = next(iter(g.values())).shape[0]
         # ‖g_i‖₂ over every adapted tensor together
         norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
@@ -218,7 +287,7 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
             total = (factor.view(-1, *[1] * (t.dim() - 1)) * t).sum(0)
             if sigma > 0:  # fresh noise for every tensor, N(0, σ²C²) per coordinate
                 total = total + sigma * clip * torch.randn(
-                    total.shape, generator=generator, device=total.device)
+                    total.shape, generator=generator, device=total.device, dtype=total.dtype)
             out[name] = total / B
         return out
 
@@ -229,18 +298,19 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
 
 def entropy(logits):
     # H(p) = −Σ_k p_k log p_k, p = softmax(z)
-    logp = logits.float().log_softmax(-1)
+    logp = at_least_fp32(logits).log_softmax(-1)
     return -(logp.exp() * logp).sum(-1)
 
 
-def come_entropy(logits):
-    """COME: entropy of the Dirichlet opinion [b, u] instead of the softmax."""
-    z = logits.float()
+def come_entropy(logits, num_classes=None):
+    """COME: entropy of the Dirichlet opinion [b, u] instead of the softmax; K = num_classes,
+    or the number of logits."""
+    z = at_least_fp32(logits)
     # z ← z/‖z‖·stopgrad(‖z‖): same value, no gradient along z (no logit-norm inflation)
     norm = z.norm(dim=-1, keepdim=True)
-    z = z / norm * norm.detach()
+    z = z / norm.clamp(min=1e-12) * norm.detach()  # clamp: all-zero logits stay 0, not NaN
     # b = e^z / (Σ e^z + K), u = K / (Σ e^z + K)  ⇔  [b, u] = softmax([z, ln K]), overflow-free
-    log_k = torch.full_like(z[..., :1], math.log(z.shape[-1]))
+    log_k = torch.full_like(z[..., :1], math.log(num_classes or z.shape[-1]))
     q = torch.cat([z, log_k], -1).softmax(-1) + 1e-7
     # −Σ_{j=1}^{K+1} q_j log q_j
     return -(q * q.log()).sum(-1)
@@ -248,16 +318,16 @@ def come_entropy(logits):
 
 def plpd(logits, shuffled_probs):
     # PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x): how much the prediction rests on object shape
-    p = logits.float().softmax(-1)
+    p = at_least_fp32(logits).softmax(-1)
     y = p.argmax(-1, keepdim=True)
     return (p.gather(-1, y) - shuffled_probs.gather(-1, y)).squeeze(-1).detach()
 
 
-def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.4):
+def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.4, num_classes=None):
     """EATA: exp(E0 − H)·H; DeYO (given shuffled probs): (exp(−(H − E0)) + exp(PLPD))·H."""
     H = ent(logits)
     # w = exp(E0 − H), E0 = e_margin·ln K, a constant weight (detached)
-    w = torch.exp(e_margin * math.log(logits.shape[-1]) - H.detach())
+    w = torch.exp(e_margin * math.log(num_classes or logits.shape[-1]) - H.detach())
     if shuffled_probs is not None:
         w = w + torch.exp(plpd(logits, shuffled_probs))
     return w * H
@@ -364,10 +434,11 @@ class DPTTA(nn.Module):
     Every step is SGD with momentum 0.9 on the adapted norms.
     """
 
-    def __init__(self, model, method, *, eps=None, delta=1e-6, clip=None, lr=None, seed=0,
-                 setting="continual", fisher_data=None, fisher_size=2000, fisher_lambda=2000.0,
-                 e_margin=0.4, d_margin=0.05, rho=0.05, reset_ema=0.2, deyo_margin=0.5,
-                 plpd_threshold=0.2, patch_grid=4, chunk_size="auto"):
+    def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
+                 clip=None, lr=None, seed=0, setting="continual", fisher_data=None, fisher_size=2000,
+                 fisher_lambda=2000.0, e_margin=0.4, d_margin=0.05, rho=0.05, reset_ema=0.2,
+                 deyo_margin=0.5, plpd_threshold=0.2, patch_grid=4, num_classes=None,
+                 chunk_size="auto"):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
@@ -377,8 +448,16 @@ class DPTTA(nn.Module):
             raise ValueError(f"{method} needs eps (inf = clip only, no noise)")
         if not self.private and eps is not None:
             raise ValueError(f"eps applies to the dp_ methods only, not {method}")
+        if privacy_unit not in ("image", "photo"):
+            raise ValueError(f"privacy_unit is 'image' or 'photo', got {privacy_unit!r}")
+        if not (isinstance(repeats, int) and repeats >= 1):
+            raise ValueError(f"repeats (streams each photo appears in) must be an int >= 1, got {repeats}")
         self.eps, self.delta = (eps, delta) if self.private else (None, None)
-        self.sigma = calibrate_sigma(eps, delta) if self.private else 0.0
+        self.privacy_unit, self.repeats = privacy_unit, repeats
+        # unit "photo": each photo is in `repeats` streams, one release each; k releases of
+        # (2/σ)-GDP compose to (2√k/σ)-GDP, so σ_photo = √k·σ(ε, δ) makes the photo (ε, δ)-DP
+        k = repeats if privacy_unit == "photo" else 1
+        self.sigma = calibrate_sigma(eps, delta) * math.sqrt(k) if self.private else 0.0
         paper_clip, paper_lr, _ = paper_hparams(method, eps if self.private else math.inf, setting, clip)
         clip = paper_clip if clip is None else clip
         self.clip, self.lr = None if clip is None else float(clip), float(paper_lr if lr is None else lr)
@@ -390,20 +469,27 @@ class DPTTA(nn.Module):
         self.model.requires_grad_(False)
         if self.kind == "source":
             return
-        self.params = adaptable_params(model, skip_top=self.kind in SKIP_TOP, private=self.private)
+        per_sample = self.private or self.clip is not None
+        self.params = adaptable_params(model, skip_top=self.kind in SKIP_TOP, private=per_sample)
+        for m in model.modules():  # (originals only) Tent: BN normalizes with the test batch's own
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):  # statistics, no running averages
+                m.train()
+                m.track_running_stats = False
         for p in self.params.values():
             p.requires_grad_(True)
         self.hp = dict(e_margin=e_margin, d_margin=d_margin, rho=rho, reset_ema=reset_ema,
                        deyo_margin=deyo_margin, plpd_threshold=plpd_threshold, patch_grid=patch_grid,
-                       fisher_lambda=fisher_lambda)
+                       fisher_lambda=fisher_lambda, num_classes=num_classes)
         device = next(iter(self.params.values())).device
-        # vmap in chunks of 16 on CPU: fused attention has no batching rule there and loops per
-        # sample anyway, and small chunks stay in cache (measured fastest); whole batch on GPUs
-        self.chunk_size = (16 if device.type == "cpu" else None) if chunk_size == "auto" else chunk_size
-        self.ent = ent = come_entropy if self.kind in ("come", "deyo_come") else entropy
+        # the per-sample pass in chunks of 8 on CPU, where small chunks stay in cache (ViT-S/16,
+        # batch 32, 2 cores: 0.96x Tent's step; 16: 1.05x; the whole batch: 1.42x); one pass on GPUs
+        self.chunk_size = (8 if device.type == "cpu" else None) if chunk_size == "auto" else chunk_size
+        come = self.kind in ("come", "deyo_come")
+        self.ent = ent = partial(come_entropy, num_classes=num_classes) if come else entropy
         # ℓ_i(logits, ctx): the per-sample loss whose gradient is clipped, weights inside (detached)
         weighted = self.kind in ("eata", "deyo", "deyo_come")
-        self.loss = partial(confidence_weighted, ent=ent, e_margin=e_margin) if weighted else lambda z, ctx: ent(z)
+        self.loss = partial(confidence_weighted, ent=ent, e_margin=e_margin,
+                            num_classes=num_classes) if weighted else lambda z, ctx: ent(z)
         # Noise and shuffles get their own seeded streams; reset() never rewinds them:
         # reusing a noise draw on another batch would let it be subtracted out.
         self.noise_gen = torch.Generator(device).manual_seed(seed)
@@ -436,12 +522,12 @@ class DPTTA(nn.Module):
         """The original method's sample filter (None = keep all). DP variants have none."""
         if self.private or self.kind in ("tent", "come"):
             return keep
-        K = math.log(logits.shape[-1])
+        log_k = math.log(self.hp["num_classes"] or logits.shape[-1])
         H = self.ent(logits.detach())
         if self.kind in ("deyo", "deyo_come"):
-            new = (H < self.hp["deyo_margin"] * K) & (plpd(logits, ctx) > self.hp["plpd_threshold"])
+            new = (H < self.hp["deyo_margin"] * log_k) & (plpd(logits, ctx) > self.hp["plpd_threshold"])
         else:  # eata, sar: reliable samples, H < E0
-            new = H < self.hp["e_margin"] * K
+            new = H < self.hp["e_margin"] * log_k
         if self.kind == "eata":  # redundancy: skip samples that look like the recent average
             p = logits.detach().float().softmax(-1)
             if self.m is not None:
@@ -460,20 +546,30 @@ class DPTTA(nn.Module):
             xs = patch_shuffle(x, self.hp["patch_grid"], self.shuffle_gen)
             return self.model(xs).float().softmax(-1)
 
-    def _grad(self, x, ctx, shift=None, keep=None):
-        """(logits, Δ, kept) at θ + shift: Δ averages the kept samples' gradients, None if none."""
+    def _grad(self, x, ctx, shift=None, keep=None, clip=True):
+        """(logits, Δ, kept) at θ + shift: Δ averages the kept samples' gradients, None if none.
+        clip=False: the plain mean gradient even if the adapter clips."""
         p = {n: (t + shift[n] if shift else t).detach() for n, t in self.params.items()}
-        if self.clip is None:  # plain TTA: one batched backward of the mean kept loss
+        if self.clip is None or not clip:  # plain TTA: one batched backward of the mean kept loss
             p = {n: t.requires_grad_() for n, t in p.items()}
             logits = functional_call(self.model, p, (x,))
             keep = self._keep(logits, ctx, keep)
-            losses = self.loss(logits, ctx)
-            if keep is not None:
-                if not keep.any():
-                    return logits, None, keep
-                losses = losses[keep]
+            finite = torch.isfinite(logits).all(-1)
+            z, c, use = logits, ctx, keep  # what the loss sees
+            if not finite.all():  # a NaN sample would poison every gradient (0·NaN = NaN, whatever
+                # its loss weight): it is dropped, counted, and the rest forwarded again without it
+                self.tally["nonfinite"] = self.tally.get("nonfinite", 0) + (~finite).sum()
+                keep = finite if keep is None else keep & finite
+                if keep.any():
+                    z = functional_call(self.model, p, (x[finite],))
+                    c, use = None if ctx is None else ctx[finite], keep[finite]
+            if keep is not None and not keep.any():
+                return logits, None, keep
+            losses = self.loss(z, c)
+            if use is not None:
+                losses = losses[use]
             g = torch.autograd.grad(losses.mean(), list(p.values()))
-            return logits, {n: t.float() for n, t in zip(p, g)}, keep
+            return logits, {n: at_least_fp32(t) for n, t in zip(p, g)}, keep
         g, logits = per_sample_grads(self.model, p, self.loss, x, ctx, chunk_size=self.chunk_size)
         keep = self._keep(logits, ctx, keep)
         if keep is not None:  # originals only: the sample set (and B) is data dependent
@@ -488,7 +584,8 @@ class DPTTA(nn.Module):
                 return self.model(x)
         ctx = self.context(x)
         if self.kind == "sar" and not self.private:
-            logits, g, keep = self._grad(x, ctx)
+            # the ascent direction from the plain mean gradient, clip-only or not (as the paper)
+            logits, g, keep = self._grad(x, ctx, clip=False)
             if g is not None:  # SAM: the gradient at θ + ρ·g/‖g‖, re-filtered there, steps from θ
                 shifted, g, keep = self._grad(x, ctx, self._ascent(g), keep)
             if g is not None:
@@ -897,7 +994,7 @@ def benchmark(args):
             a.hp.update(e_margin=math.inf, d_margin=math.inf, deyo_margin=math.inf, plpd_threshold=-math.inf,
                         reset_ema=-math.inf)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, peak = {k: [] for k in variants}, {}
+    times, peak, fallbacks_before = {k: [] for k in variants}, {}, sum(VMAP_FALLBACKS.values())
     for k, a in variants.items():  # warm-up, and the step's peak memory: CUDA allocated, or RSS
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -937,11 +1034,14 @@ def benchmark(args):
         n += len(xb)
     loader_rate = n / (time.perf_counter() - t)
     shutil.rmtree(tree, ignore_errors=True)
+    fallbacks = sum(VMAP_FALLBACKS.values()) - fallbacks_before
+    print(f"vmap fallbacks: {fallbacks} (per-sample passes that ran an op once per sample; must be 0)"
+          + (f": {', '.join(VMAP_FALLBACKS)}" if fallbacks else ""))
     print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG decode + timm transform, {args.workers} workers); "
           f"the slowest step above needs {max(r['images_per_s'] for r in rows[1:]):.0f} img/s at most")
     append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B, "device": device.type,
                             "dtype": "bf16" if amp else "fp32", "rounds": rounds, "rows": rows,
-                            "loader_images_per_s": loader_rate, "versions": {"torch": torch.__version__}})
+                            "loader_images_per_s": loader_rate, "vmap_fallbacks": fallbacks, "versions": {"torch": torch.__version__}})
     return 0
 
 

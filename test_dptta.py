@@ -1,5 +1,7 @@
 """Tests for dptta.py: every claim against an independent oracle (closed form,
 high-precision arithmetic, a plain per-sample loop, Monte Carlo, the paper)."""
+import collections
+import contextlib
 import copy
 import json
 import math
@@ -197,6 +199,111 @@ def test_per_sample_grads_equal_a_plain_loop(make):
         torch.testing.assert_close(g8[n], want[n], rtol=1e-9, atol=1e-12)
 
 
+@contextlib.contextmanager
+def no_vmap_fallback():
+    """Any op that vmap would run once per sample raises instead (a warning filter cannot do
+    this: the library records warnings itself)."""
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(True)
+
+
+CLIPPED = [m for m in dptta.METHODS if m.startswith("dp_")] + [m for m in dptta.BASES]
+
+
+@pytest.mark.parametrize("make", [tiny_vit, tiny_convnext, tiny_groupnorm_cnn])
+def test_every_clipped_step_runs_without_a_per_sample_loop(make):
+    x = images(6)
+    for method in CLIPPED:  # dp_* and the clip-only originals: all go through per_sample_grads
+        a = dptta.DPTTA(make(), method, **kw(method, clip=1.0, e_margin=2.0, d_margin=2.0))
+        with no_vmap_fallback():
+            a(x), a(images(6, seed=2))
+        moved = sum((p - a.theta0[n]).abs().sum().item() for n, p in a.params.items())
+        assert moved > 0 and all(torch.isfinite(p).all() for p in a.params.values()), method
+
+
+def test_fallback_switch_catches_the_old_per_sample_path():
+    """The check above can fail: vmap(grad(...)) over timm's fused CPU attention loops per sample."""
+    m = tiny_vit()
+    p = {n: t.detach() for n, t in dptta.adaptable_params(m).items()}
+    one = lambda q, xi: dptta.entropy(torch.func.functional_call(m, q, (xi[None],))).sum()
+    with no_vmap_fallback(), pytest.raises(RuntimeError, match="vmap fallback"):
+        torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(p, images(3))
+
+
+ATTENTION_KERNELS = {  # CUDA's fused kernels, exercised on meta tensors (shapes only) on a CPU box
+    "flash": lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, False, False)[0],
+    "efficient": lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, False)[0],
+    "cudnn": lambda q, k, v: torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, False, False)[0],
+}
+
+
+class FusedAttention(nn.Module):
+    """LayerNorm, then one attention layer that calls a fused kernel directly, then a head."""
+
+    def __init__(self, kernel, dim=64, heads=2):
+        super().__init__()
+        self.kernel, self.heads = kernel, heads
+        self.norm, self.qkv, self.head = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, K)
+
+    def forward(self, x):
+        N, T, D = x.shape
+        qkv = self.qkv(self.norm(x)).reshape(N, T, 3, self.heads, D // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        return self.head(self.kernel(q, k, v).transpose(1, 2).reshape(N, T, D).mean(1))
+
+
+@pytest.mark.parametrize("kernel", ATTENTION_KERNELS)
+def test_cuda_fused_attention_runs_batched_forward_and_backward(kernel):
+    m = FusedAttention(ATTENTION_KERNELS[kernel]).to("meta", torch.bfloat16).eval()
+    x = torch.empty(4, 8, 64, device="meta", dtype=torch.bfloat16)
+    params = dptta.adaptable_params(m)
+    with no_vmap_fallback():
+        g, logits = dptta.per_sample_grads(m, params, lambda z, c: dptta.entropy(z), x)
+        assert {n: t.shape for n, t in g.items()} == {n: (4, 64) for n in params}
+        assert logits.shape == (4, K)
+        # the old vmap(grad(...)) hits the fallback in exactly these kernels' backward
+        one = lambda q, xi: dptta.entropy(torch.func.functional_call(m, q, (xi[None],))).sum()
+        frozen = {n: t.detach() for n, t in params.items()}
+        with pytest.raises(RuntimeError, match=f"{kernel}_attention_backward"):
+            torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(frozen, x)
+
+
+def test_a_fallback_in_a_users_model_warns_once_naming_the_op(monkeypatch):
+    monkeypatch.setattr(dptta, "VMAP_FALLBACKS", collections.Counter())
+
+    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # no batching rule
+    m = FusedAttention(lambda q, k, v: cpu_flash(q, k, v)[0]).eval()
+    loss = lambda z, c: dptta.entropy(z)
+    x = torch.randn(3, 5, 64)
+    with pytest.warns(UserWarning, match="flash_attention_for_cpu.*once per sample") as record:
+        g, _ = dptta.per_sample_grads(m, dptta.adaptable_params(m), loss, x)
+        dptta.per_sample_grads(m, dptta.adaptable_params(m), loss, x)
+    assert sum("once per sample" in str(w.message) for w in record) == 1
+    assert sum(dptta.VMAP_FALLBACKS.values()) >= 2
+    want = loop_grads(m, list(g), loss, x)  # slow, but still exact
+    for n in want:
+        torch.testing.assert_close(g[n], want[n], rtol=1e-4, atol=1e-6)
+
+
+def test_bf16_autocast_step_runs_and_stays_finite_with_fp32_clip_and_noise():
+    a = dptta.DPTTA(tiny_vit(), "dp_deyo", **kw("dp_deyo"))
+    with torch.autocast("cpu", torch.bfloat16), no_vmap_fallback():
+        logits = a(images(6))
+        g, _ = dptta.per_sample_grads(a.model, a.params, a.loss, images(6), a.context(images(6)))
+    assert torch.isfinite(logits).all()
+    assert torch.equal(logits.bfloat16().float(), logits.float())  # the forward ran in bf16
+    assert all(t.dtype == torch.float32 for t in a.params.values())  # θ and its step stay fp32
+    assert all(torch.isfinite(t).all() for t in g.values())
+    assert all(torch.isfinite(p).all() for p in a.params.values())
+    assert any((p - a.theta0[n]).abs().sum() > 0 for n, p in a.params.items())
+
+
 # ----------------------------------------------------------------------------
 # Clipping and noise
 
@@ -218,8 +325,9 @@ def test_clip_closed_form():
     # by hand: clipped to norm min(‖g‖, C), same direction, then the mean
     want = (flat * torch.tensor([1.0, 1.0, 0.5, 0.05], dtype=torch.float64)[:, None]).sum(0) / 4
     got = torch.cat([out["t0"].flatten(), out["t1"].flatten()])
-    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-7)
-    assert out["t0"].dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    half = dptta.clip_and_noise({n: t.bfloat16() for n, t in g.items()}, C, 1.0, torch.Generator())
+    assert all(t.dtype == torch.float32 for t in half.values())  # bf16 in: clip and noise in fp32
     for i in range(4):  # one sample at a time: its clipped contribution has norm min(‖g‖, C)
         one = dptta.clip_and_noise({n: t[i:i + 1] for n, t in g.items()}, C, 0.0, torch.Generator())
         norm = torch.cat([t.flatten() for t in one.values()]).norm().item()
@@ -542,6 +650,113 @@ def test_dp_sat_ascends_along_the_previous_private_gradient():
         torch.testing.assert_close(fresh.g_prev[n], g0[n], rtol=1e-4, atol=1e-6)
 
 
+def per_sample_grad_at(model, names, x, keep, shift=None):
+    """Per-sample entropy gradients at θ + shift for the kept samples, by a plain loop."""
+    rows = [grad_at(model, names, x[i:i + 1], shift) for i in range(len(x)) if keep[i]]
+    return {n: torch.stack([r[n] for r in rows]) for n in names}
+
+
+def test_clip_only_sar_ascends_along_the_plain_mean_and_clips_the_update():
+    """The paper's clip-only SAR: SAM's ascent from the unclipped mean gradient of the kept
+    samples; only the gradient of the update is clipped per sample."""
+    m, C, rho, lr = tiny_vit(), 0.01, 0.05, 0.1
+    a = dptta.DPTTA(m, "sar", clip=C, lr=lr, e_margin=10.0, rho=rho)  # every sample reliable
+    x = images(8)
+    theta = {n: p.detach().clone() for n, p in a.params.items()}
+    ref, names = copy.deepcopy(m), list(a.params)
+    shift = unit(grad_at(ref, names, x), rho)  # plain mean, not clipped
+    g = per_sample_grad_at(ref, names, x, [True] * 8, shift)
+    norms = torch.sqrt(sum(t.flatten(1).pow(2).sum(1) for t in g.values()))
+    assert (norms > C).all()  # so clipping the ascent too would change it
+    upd = {n: (t * (C / norms).clamp(max=1).view(-1, *[1] * (t.dim() - 1))).mean(0) for n, t in g.items()}
+    a(x)
+    for n in names:
+        torch.testing.assert_close(a.params[n], theta[n] - lr * upd[n], rtol=1e-4, atol=1e-7)
+
+
+def tiny_bn_cnn(dtype=torch.float64):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, 2),
+                      nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, K))
+    for bn in (m[1], m[4]):  # source statistics far from any test batch's, so the mode shows
+        bn.running_mean.fill_(0.7)
+        bn.running_var.fill_(3.0)
+    return m.to(dtype).eval()
+
+
+def test_tent_on_batchnorm_equals_a_hand_written_tent_step():
+    """Tent's own setting: BN in train mode (the test batch's statistics, no running averages),
+    mean entropy of the batch, SGD with momentum on BN's affine parameters."""
+    m, lr = tiny_bn_cnn(), 0.5
+    m0, ref = copy.deepcopy(m), copy.deepcopy(m).train()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    bn = [p for i in (1, 4) for p in (ref[i].weight, ref[i].bias)]
+    for p in bn:
+        p.requires_grad_(True)
+    opt = torch.optim.SGD(bn, lr=lr, momentum=0.9)
+    a = dptta.DPTTA(m, "tent", lr=lr)
+    assert sorted(a.params) == ["1.bias", "1.weight", "4.bias", "4.weight"]
+    for seed in (1, 2):  # two steps: momentum too
+        x = images(6, seed, torch.float64)
+        z = ref(x)
+        loss = -(z.softmax(1) * z.log_softmax(1)).sum(1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(a(x), z.detach(), rtol=1e-10, atol=1e-12)  # batch statistics
+        want = dict(ref.named_parameters())
+        for n, q in a.params.items():
+            torch.testing.assert_close(q.detach(), want[n].detach(), rtol=1e-10, atol=1e-12)
+    assert torch.equal(a.model[1].running_mean, m0[1].running_mean)  # never updated
+    with pytest.raises(ValueError, match="BatchNorm"):
+        dptta.DPTTA(tiny_bn_cnn(), "tent", clip=1.0, lr=lr)  # clip-only is per-sample: refused too
+
+
+def test_resnet_trunk_skips_layer4_like_the_originals():
+    m = timm.create_model("resnet50_gn", pretrained=False)
+    all_norms = dptta.adaptable_params(m)
+    lower = dptta.adaptable_params(m, skip_top=True)
+    want = [n for n in all_norms if not n.startswith("layer4.")]
+    assert len(all_norms) == 106 and len(want) == 86  # the originals adapt 86 of 106
+    assert sorted(lower) == sorted(want)
+    a = dptta.DPTTA(m, "dp_sar", eps=5.0, clip=1.0, lr=1e-3)
+    assert sorted(a.params) == sorted(want)
+
+
+def test_method_constants_follow_a_given_number_of_classes():
+    """The paper's ImageNet-R runs score 200 classes but compute margins and COME's K with 1000."""
+    a = dptta.DPTTA(tiny_vit(), "sar", lr=1e-3, num_classes=1000)
+    z = logits_with([(0, 12.0), (1, 0.0), (2, 5.0), (3, 2.0)])
+    want = np_entropy(z.numpy()) < 0.4 * math.log(1000)
+    assert want.tolist() != (np_entropy(z.numpy()) < 0.4 * math.log(K)).tolist()
+    assert a._keep(z, None, None).tolist() == want.tolist()
+    e = np.exp(z.numpy().astype(np.float64))
+    q = np.concatenate([e, np.full((len(e), 1), 1000)], 1) / (e.sum(1, keepdims=True) + 1000) + 1e-7
+    np.testing.assert_allclose(dptta.come_entropy(z.double(), 1000).numpy(), -(q * np.log(q)).sum(1),
+                               rtol=1e-9)
+    w = dptta.DPTTA(tiny_vit(), "dp_eata", eps=5.0, clip=1.0, lr=1e-3, num_classes=1000)
+    H = np_entropy(z.double().numpy())
+    np.testing.assert_allclose(w.loss(z.double(), None).numpy(), np.exp(0.4 * math.log(1000) - H) * H,
+                               rtol=1e-9)
+
+
+def test_photo_privacy_unit_composes_k_releases_by_the_closed_form():
+    """k releases of (2/σ)-GDP are (2√k/σ)-GDP (Dong, Roth & Su, Cor. 3.3); δ of μ-GDP:
+    Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)."""
+    from scipy.stats import norm
+    eps, delta, k = 5.0, 1e-6, 15
+    image = dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, delta=delta, clip=1.0, lr=1e-3)
+    photo = dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, delta=delta, clip=1.0, lr=1e-3,
+                        privacy_unit="photo", repeats=k)
+    mu = 2 * math.sqrt(k) / photo.sigma  # the photo's k releases together
+    d = lambda e, mu: norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2)
+    assert d(eps, mu) <= delta and d(eps, mu * 1.001) > delta  # meets δ, and tightly
+    assert photo.sigma == pytest.approx(math.sqrt(k) * image.sigma, rel=1e-12)
+    with pytest.raises(ValueError, match="privacy_unit"):
+        dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, clip=1.0, lr=1e-3, privacy_unit="person")
+
+
 # ----------------------------------------------------------------------------
 # The command line, on generated ImageNet-C trees
 
@@ -713,6 +928,7 @@ def test_benchmark_prints_table_and_json(tmp_path):
     for row in rec["rows"]:
         assert row["ms"] > 0 and row["ratio"] > 0 and row["variant"] in r.stdout
     assert rec["loader_images_per_s"] > 0 and "loader:" in r.stdout
+    assert rec["vmap_fallbacks"] == 0 and "vmap fallbacks: 0" in r.stdout
 
 
 def test_memory_does_not_grow_over_a_long_stream():
