@@ -91,23 +91,23 @@ def delta_plrv(eps, sigma):
 
 def test_paper_sigmas_meet_delta_and_calibration_is_tight():
     for eps, s_paper in PAPER_SIGMA.items():
-        assert dptta.gdp_delta(eps, s_paper) <= 1e-6
-        s = dptta.calibrate_sigma(eps, 1e-6)
+        assert dptta.gdp_delta(eps=eps, sigma=s_paper) <= 1e-6
+        s = dptta.calibrate_sigma(eps=eps, delta=1e-6)
         assert s <= s_paper and s >= 0.98 * s_paper
         assert s == pytest.approx(EXACT_SIGMA[eps], abs=1e-4)
-        assert dptta.gdp_delta(eps, s) <= 1e-6 <= dptta.gdp_delta(eps, s * (1 - 1e-8))
+        assert dptta.gdp_delta(eps=eps, sigma=s) <= 1e-6 <= dptta.gdp_delta(eps=eps, sigma=s * (1 - 1e-8))
 
 
 @pytest.mark.parametrize("eps,sigma", [(1, 8.45), (5, 1.96), (0.5, 3.0), (2.0, 1.5), (0.01, 1.0)])
 def test_gdp_delta_matches_privacy_loss_quadrature(eps, sigma):
-    assert dptta.gdp_delta(eps, sigma) == pytest.approx(delta_plrv(eps, sigma), rel=1e-6, abs=1e-15)
+    assert dptta.gdp_delta(eps=eps, sigma=sigma) == pytest.approx(delta_plrv(eps, sigma), rel=1e-6, abs=1e-15)
 
 
 def test_gdp_delta_matches_high_precision_over_the_whole_range():
     pytest.importorskip("mpmath")
     for sigma in (0.3, 0.7, 2.0, 8.0, 50.0):
         for eps in (0.01, 0.5, 3.0, 15.0, 50.0):
-            want, got = delta_mp(eps, sigma), dptta.gdp_delta(eps, sigma)
+            want, got = delta_mp(eps, sigma), dptta.gdp_delta(eps=eps, sigma=sigma)
             assert got >= 0 and math.isfinite(got)
             if want > 1e-300:
                 assert got == pytest.approx(want, rel=1e-7), (eps, sigma)
@@ -116,25 +116,25 @@ def test_gdp_delta_matches_high_precision_over_the_whole_range():
 def test_accountant_is_monotone_and_round_trips():
     eps = np.geomspace(0.01, 50, 40)
     for sigma in (0.5, 2.0, 10.0):
-        d = [dptta.gdp_delta(e, sigma) for e in eps]
+        d = [dptta.gdp_delta(eps=e, sigma=sigma) for e in eps]
         assert all(a >= b for a, b in zip(d, d[1:]))
     sig = np.geomspace(0.3, 50, 40)
-    d = [dptta.gdp_delta(1.0, s) for s in sig]
+    d = [dptta.gdp_delta(eps=1.0, sigma=s) for s in sig]
     assert all(a >= b for a, b in zip(d, d[1:]))
     for e in (0.1, 1.0, 5.0, 20.0, 50.0):
         for delta in (1e-3, 1e-6, 1e-10):
-            s = dptta.calibrate_sigma(e, delta)
-            assert dptta.gdp_epsilon(s, delta) == pytest.approx(e, rel=1e-7)
-    assert dptta.calibrate_sigma(math.inf, 1e-6) == 0.0
-    assert dptta.gdp_epsilon(0.0, 1e-6) == math.inf
+            s = dptta.calibrate_sigma(eps=e, delta=delta)
+            assert dptta.gdp_epsilon(sigma=s, delta=delta) == pytest.approx(e, rel=1e-7)
+    assert dptta.calibrate_sigma(eps=math.inf, delta=1e-6) == 0.0
+    assert dptta.gdp_epsilon(sigma=0.0, delta=1e-6) == math.inf
 
 
 @pytest.mark.parametrize("call", [
-    lambda: dptta.calibrate_sigma(0, 1e-6), lambda: dptta.calibrate_sigma(-1, 1e-6),
-    lambda: dptta.calibrate_sigma(float("nan"), 1e-6), lambda: dptta.calibrate_sigma(1, 0),
-    lambda: dptta.calibrate_sigma(1, 1), lambda: dptta.calibrate_sigma(1, float("nan")),
-    lambda: dptta.gdp_epsilon(1.0, 1.5), lambda: dptta.gdp_delta(float("nan"), 1.0),
-    lambda: dptta.gdp_epsilon(-1.0, 1e-6)])
+    lambda: dptta.calibrate_sigma(eps=0, delta=1e-6), lambda: dptta.calibrate_sigma(eps=-1, delta=1e-6),
+    lambda: dptta.calibrate_sigma(eps=float("nan"), delta=1e-6), lambda: dptta.calibrate_sigma(eps=1, delta=0),
+    lambda: dptta.calibrate_sigma(eps=1, delta=1), lambda: dptta.calibrate_sigma(eps=1, delta=float("nan")),
+    lambda: dptta.gdp_epsilon(sigma=1.0, delta=1.5), lambda: dptta.gdp_delta(eps=float("nan"), sigma=1.0),
+    lambda: dptta.gdp_epsilon(sigma=-1.0, delta=1e-6)])
 def test_bad_privacy_arguments_raise_one_line_value_errors(call):
     with pytest.raises(ValueError) as e:
         call()
@@ -562,8 +562,8 @@ def test_fisher_penalty_is_added_outside_the_clip():
 
     def make(fisher):
         m = tiny_vit(torch.float64)
-        a = dptta.DPTTA(m, "dp_eata", eps=5, clip=C, lr=lr, seed=3, fisher_lambda=lam,
-                        fisher_data=clean if fisher else None)
+        F = dptta.fisher_information(m, dptta.adaptable_params(m), clean) if fisher else None
+        a = dptta.DPTTA(m, "dp_eata", eps=5, clip=C, lr=lr, seed=3, fisher_lambda=lam, fisher=F)
         with torch.no_grad():  # move θ away from θ0 so that the penalty pulls
             for p in a.params.values():
                 p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
@@ -782,6 +782,15 @@ def cli(*args, cwd=None):
                           text=True, cwd=cwd, env=env, timeout=600)
 
 
+def records(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def final_record(path):
+    return [r for r in records(path) if r["mode"] == "adapt"][-1]
+
+
 def adapt(tree, out, *extra):
     root, ckpt = tree
     r = cli("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL, "--checkpoint", ckpt,
@@ -798,7 +807,7 @@ def test_cli_end_to_end_jsonl_ledger_skips_unreadable_and_episodic_resets(tree, 
     led = cont["ledger"]
     assert led["private"] and led["eps"] == 5 and led["sigma"] == pytest.approx(1.9601, abs=1e-4)
     assert led["mu"] == pytest.approx(2 / led["sigma"]) and led["repeats"] == 2
-    assert led["eps_per_underlying_image"] == pytest.approx(dptta.gdp_epsilon(led["sigma"] / math.sqrt(2), 1e-6))
+    assert led["eps_per_underlying_image"] == pytest.approx(dptta.gdp_epsilon(sigma=led["sigma"] / math.sqrt(2), delta=1e-6))
     assert cont["skipped"] == 1 and cont["images"] == 24 and set(cont["accuracy"]) == {"gaussian_noise", "shot_noise"}
     assert cont["versions"]["torch"] == torch.__version__ and cont["clip"] == 1 and cont["lr"] == 0.05
     # episodic: the second corruption starts from θ0, exactly like a run on it alone; continual does not.
@@ -843,8 +852,7 @@ def test_cli_scores_by_wordnet_id_on_a_subset_of_classes(tmp_path):
     r = cli("--data", tmp_path / "c", "--corruptions", "shot_noise", "--model", CLI_MODEL, "--checkpoint",
             always_900(tmp_path / "900.pth"), "--method", "source", "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
-    with open(tmp_path / "r.jsonl") as f:
-        assert json.loads(f.readline())["accuracy"]["shot_noise"] == 100.0  # ImageFolder's index would be 0
+    assert final_record(tmp_path / "r.jsonl")["accuracy"]["shot_noise"] == 100.0  # enumeration: 0
 
 
 def test_cli_imagenet_r_scores_on_the_classes_present(tmp_path):
@@ -855,8 +863,7 @@ def test_cli_imagenet_r_scores_on_the_classes_present(tmp_path):
     r = cli("--data", tmp_path / "r", "--dataset", "imagenet_r", "--model", CLI_MODEL, "--checkpoint",
             always_900(tmp_path / "900.pth"), "--method", "tent", "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
-    with open(tmp_path / "r.jsonl") as f:
-        assert json.loads(f.readline())["accuracy"] == {"imagenet_r": 50.0}
+    assert final_record(tmp_path / "r.jsonl")["accuracy"] == {"imagenet_r": 50.0}
 
 
 def bad_input_cases(root, ckpt):
@@ -987,9 +994,14 @@ def test_end_to_end_audit_through_the_adapter():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(method="dp_tent", clip=0.0, lr=0.1, eps=1), "clip must be > 0"),
-    (dict(method="tent", clip=-1.0, lr=0.1), "clip must be > 0"),
-    (dict(method="tent", lr=0.0), "lr must be > 0"),
+    (dict(method="dp_tent", clip=0.0, lr=0.1, eps=1), "clip must be finite and > 0"),
+    (dict(method="dp_tent", clip=math.inf, lr=0.1, eps=1), "clip must be finite and > 0"),
+    (dict(method="tent", clip=-1.0, lr=0.1), "clip must be finite and > 0"),
+    (dict(method="tent", lr=0.0), "needs a finite lr > 0"),
+    (dict(method="dp_tent", lr=math.inf, clip=1.0, eps=1), "needs a finite lr > 0"),
+    (dict(method="tent"), "needs a finite lr > 0"),
+    (dict(method="dp_tent", lr=0.1, eps=5.0), "needs clip"),
+    (dict(method="dp_tent", lr=0.1, clip=1.0, eps=5.0, repeats=0), "repeats"),
     (dict(method="dp_tent", lr=0.1), "needs eps"),
     (dict(method="tent", eps=1.0), "dp_ methods only"),
     (dict(method="dp_tent", eps=-1.0), "eps must be > 0"),
@@ -1019,10 +1031,10 @@ def test_clip_only_originals_and_batch_of_one(method):
 def test_unreadable_image_keeps_its_place_in_the_batch():
     """B is the number of files: a placeholder (label −1, never scored) stands in for an unreadable one."""
     img = torch.ones(3, 4, 4)
-    x, y, bad = dptta.collate_skipping([(img, 5), None, (img, 7)])
-    assert x.shape == (3, 3, 4, 4) and y.tolist() == [5, -1, 7] and bad == 1
+    x, y, bad = dptta.collate_skipping([(img, 5), (None, "a/b.JPEG"), (img, 7)])
+    assert x.shape == (3, 3, 4, 4) and y.tolist() == [5, -1, 7] and bad == ["a/b.JPEG"]
     assert torch.equal(x[1], torch.zeros(3, 4, 4))
-    assert dptta.collate_skipping([None, None]) == (None, None, 2)
+    assert dptta.collate_skipping([(None, "p"), (None, "q")]) == (None, None, ["p", "q"])
 
 
 @pytest.mark.parametrize("method", [m for m in dptta.METHODS if m.startswith("dp_")])
