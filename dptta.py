@@ -974,8 +974,8 @@ def build_model(name, checkpoint=None, random_weights=False):
     try:
         model = timm.create_model(name, pretrained=not (random_weights or checkpoint))
     except Exception as e:  # no network for the weights, no cache, ...
-        cfg = timm.models.get_pretrained_cfg(name) or {}
-        where = cfg.get("hf_hub_id") or cfg.get("url") or name
+        cfg = timm.models.get_pretrained_cfg(name)
+        where = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or name
         fail(f"cannot load the pretrained weights of {name} ({where}): "
              f"{(str(e).splitlines() or [type(e).__name__])[0][:200]}; offline: fetch them "
              "elsewhere and pass --checkpoint PATH, or set HF_HUB_OFFLINE=1 to use a local cache")

@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
 # Reproduce the paper's ImageNet-C tables (severity 5, ViT-B/16, batch 64) with dptta.py.
 #
-#   ./run_imagenet_c.sh --dry-run      print the grid (one dptta.py command per cell) and stop
-#   ./run_imagenet_c.sh                main grid with the paper's C and lr, on every local GPU
+#   ./run_imagenet_c.sh --dry-run      print the exact commands of the grid and stop
+#   ./run_imagenet_c.sh                the grid with the paper's C, lr and constants, one worker
+#                                      per local GPU (one on the CPU where there is none)
 #   ./run_imagenet_c.sh tune           choose C and lr on the 4 held-out corruptions -> $TUNED
-#   ./run_imagenet_c.sh --tuned        main grid with the C and lr from $TUNED instead of the paper's
-#   sbatch --array=0-$(( $(./run_imagenet_c.sh --count) - 1 )) --gres=gpu:1 run_imagenet_c.sh
-#                                      SLURM (submit from the repo): each array task runs one cell
+#   ./run_imagenet_c.sh --tuned        the grid with the C and lr from $TUNED instead
+#   n=$(./run_imagenet_c.sh --count) && sbatch --array=0-$((n - 1)) --gres=gpu:1 run_imagenet_c.sh
+#                                      SLURM (submit from the repo): one cell per array task
 #                                      (add "tune" or "--tuned" after the script name as above)
 # Environment: IMAGENET_C (data root), SEEDS ("0 1 2"), SETTINGS ("continual episodic"),
-#   OUT (results.jsonl), TUNE_OUT (tune.jsonl), TUNED (tuned.json), EXTRA (more dptta.py flags,
-#   e.g. "--limit 2000 --fisher-data /data/imagenet/val").
+#   METHODS ("source tent eata sar deyo deyo_come"), VARIANTS ("plain clip dp"),
+#   EPSILONS ("20 15 10 5 1"), OUT (results.jsonl), TUNE_OUT (tune.jsonl), TUNED (tuned.json),
+#   EXTRA (more dptta.py flags, e.g. "--limit 2000 --fisher-data /data/imagenet/val").
+#   A subset, e.g. METHODS="sar deyo" VARIANTS="dp" EPSILONS="5 1" ./run_imagenet_c.sh
 # Resumable: every cell runs with --resume, so cells already in $OUT are skipped.
-# Hardware and time (an estimate, not measured here): ViT-B/16 in bf16 on one H100-class GPU
-#   streams roughly 1,000 images/s; a cell is 15 x 50,000 images, ~13 min. The main grid is
+# The paper's constants are passed where they differ from the originals' (--hp e_margin=0.5
+# for SAR, --hp plpd_threshold=0.3 for DeYO; see PAPER_CONSTANTS in dptta.py).
+# Ctrl-C or SIGTERM stops every worker and the cell each is running.
+# Time (an estimate, not measured here): ViT-B/16 in bf16 on one H100-class GPU streams
+#   roughly 1,000 images/s; a cell is 15 x 50,000 images, ~13 min. The main grid is
 #   (1 source + 5 methods x 7 columns) x 2 settings = 72 cells per seed, ~16 GPU-hours per seed.
 #   The tune stage is 5 x 45 x 6 x 2 = 2,700 cells on 4 corruptions: use EXTRA="--limit 2000".
 set -euo pipefail
-cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script: go back to the repo
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script
 SEEDS=${SEEDS:-"0 1 2"}; SETTINGS=${SETTINGS:-"continual episodic"}
-OUT=${OUT:-results.jsonl}; TUNE_OUT=${TUNE_OUT:-tune.jsonl}; TUNED=${TUNED:-tuned.json}; EXTRA=${EXTRA:-}
+METHODS=${METHODS:-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS:-"plain clip dp"}
+EPSILONS=${EPSILONS-"20 15 10 5 1"}
+OUT=${OUT:-results.jsonl}; TUNE_OUT=${TUNE_OUT:-tune.jsonl}; TUNED=${TUNED:-tuned.json}
+EXTRA=${EXTRA:-}
 stage=main; dry=0; count=0; tuned=0
 for arg in "$@"; do
   case $arg in
@@ -27,62 +36,128 @@ for arg in "$@"; do
     *) echo "run_imagenet_c.sh: unknown argument $arg (see the header)" >&2; exit 2 ;;
   esac
 done
-[ $tuned = 1 ] && [ ! -f "$TUNED" ] && { echo "run_imagenet_c.sh: $TUNED missing: run the tune stage first" >&2; exit 2; }
+if [ $tuned = 1 ] && [ ! -f "$TUNED" ]; then
+  echo "run_imagenet_c.sh: $TUNED missing: run the tune stage first" >&2; exit 2
+fi
 
 # One line of dptta.py flags per cell, from dptta's own tables of the paper's values.
 grid() {
-  STAGE=$stage SEEDS=$SEEDS SETTINGS=$SETTINGS TUNED=$([ $tuned = 1 ] && echo "$TUNED") python3 - <<'PY'
+  STAGE=$stage SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS \
+  EPSILONS=$EPSILONS TUNED=$([ $tuned = 1 ] && echo "$TUNED") python3 - <<'PY'
 import itertools, json, os
 import dptta
-seeds, settings = os.environ["SEEDS"].split(), os.environ["SETTINGS"].split()
+env = {k: os.environ[k].split() for k in ("SEEDS", "SETTINGS", "METHODS", "VARIANTS", "EPSILONS")}
+for m in env["METHODS"]:
+    assert m in ("source",) + dptta.BASES and m != "come", f"METHODS: {m} is not in the paper's grid"
 tuned = json.load(open(os.environ["TUNED"])) if os.environ["TUNED"] else {}
-methods, epsilons = ("tent", "eata", "sar", "deyo", "deyo_come"), (20, 15, 10, 5, 1)
+methods = [m for m in env["METHODS"] if m != "source"]
+epsilons = [int(e) if float(e).is_integer() else float(e) for e in env["EPSILONS"]]
+
+
+def constants(m):  # the paper's scripts' filter constants, for the filtered (non-dp) runs
+    return "".join(f" --hp {k}={v}" for k, v in dptta.PAPER_CONSTANTS.get(m, {}).items())
+
+
 if os.environ["STAGE"] == "tune":  # the paper's grid, on held-out corruptions only
+    columns = (["clip-only"] if "clip" in env["VARIANTS"] else []) + \
+              (epsilons if "dp" in env["VARIANTS"] else [])
     for setting, seed, m, col, C, lr in itertools.product(
-            settings, seeds[:1], methods, ("clip-only",) + epsilons, (0.1, 1, 5, 10, 15),
+            env["SETTINGS"], env["SEEDS"][:1], methods, columns, (0.1, 1, 5, 10, 15),
             (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1)):
-        how = f"--method {m}" if col == "clip-only" else f"--method dp_{m} --eps {col}"
+        how = f"--method {m}{constants(m)}" if col == "clip-only" else f"--method dp_{m} --eps {col}"
         print(f"{how} --clip {C} --lr {lr} --setting {setting} --seed {seed} "
               f"--corruptions {','.join(dptta.HELD_OUT)}")
 else:
-    for setting, seed in itertools.product(settings, seeds):
-        print(f"--method source --setting {setting} --seed {seed}")
+    for setting, seed in itertools.product(env["SETTINGS"], env["SEEDS"]):
+        if "source" in env["METHODS"]:
+            print(f"--method source --setting {setting} --seed {seed}")
         for m in methods:
-            print(f"--method {m} --setting {setting} --seed {seed}")
-            C, lr = tuned.get(f"{setting}/{m}/clip-only", dptta.PAPER_CLIP_ONLY[setting][m])
-            print(f"--method {m} --clip {C} --lr {lr} --setting {setting} --seed {seed}")
-            for e in epsilons:
+            if "plain" in env["VARIANTS"]:
+                print(f"--method {m}{constants(m)} --setting {setting} --seed {seed}")
+            if "clip" in env["VARIANTS"]:
+                C, lr = tuned.get(f"{setting}/{m}/clip-only", dptta.PAPER_CLIP_ONLY[setting][m])
+                print(f"--method {m}{constants(m)} --clip {C} --lr {lr} --setting {setting} "
+                      f"--seed {seed}")
+            for e in epsilons if "dp" in env["VARIANTS"] else []:
                 C, lr = tuned.get(f"{setting}/{m}/{e}", dptta.PAPER_DP[setting]["dp_" + m][e])
-                print(f"--method dp_{m} --eps {e} --clip {C} --lr {lr} --setting {setting} --seed {seed}")
+                print(f"--method dp_{m} --eps {e} --clip {C} --lr {lr} --setting {setting} "
+                      f"--seed {seed}")
 PY
 }
 
-mapfile -t cells < <(grid)
-if [ $count = 1 ]; then echo ${#cells[@]}; exit 0; fi
-if [ $dry = 1 ]; then printf 'python dptta.py %s\n' "${cells[@]}"; echo "# ${#cells[@]} cells ($stage)"; exit 0; fi
-out=$OUT; [ $stage = tune ] && out=$TUNE_OUT
-
-run() { python3 dptta.py $1 --out "$out" --resume $EXTRA; }
-if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then  # one cell per array task; the summary is yours to print
-  run "${cells[$SLURM_ARRAY_TASK_ID]}"; exit 0
+if ! cells_text=$(grid); then
+  echo "run_imagenet_c.sh: could not list the grid (is the environment with torch and timm" \
+       "active? see the error above)" >&2
+  exit 1
 fi
-ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); [ "$ngpu" -ge 1 ] || ngpu=1
-for g in $(seq 0 $(( ngpu - 1 ))); do  # one worker per GPU, each takes every ngpu-th cell
-  ( for j in $(seq "$g" "$ngpu" $(( ${#cells[@]} - 1 ))); do
-      CUDA_VISIBLE_DEVICES=$g run "${cells[$j]}" || echo "cell failed: ${cells[$j]}" >&2
-    done ) &
-done
-wait
+mapfile -t cells <<< "$cells_text"
+[ -n "$cells_text" ] || cells=()
+if [ ${#cells[@]} = 0 ]; then
+  echo "run_imagenet_c.sh: the grid is empty (METHODS, VARIANTS, EPSILONS, SEEDS, SETTINGS)" >&2
+  exit 2
+fi
+if [ $count = 1 ]; then echo ${#cells[@]}; exit 0; fi
+out=$OUT; [ $stage = tune ] && out=$TUNE_OUT
+command_of() {  # the exact command of cell $1, as it runs and as --dry-run prints it
+  echo "python3 dptta.py ${cells[$1]} --out $(printf %q "$out") --resume${EXTRA:+ $EXTRA}"
+}
+if [ $dry = 1 ]; then
+  for j in "${!cells[@]}"; do command_of "$j"; done
+  echo "# ${#cells[@]} cells ($stage)"
+  exit 0
+fi
 
-if [ $stage = tune ]; then  # per setting, method and column: the (C, lr) with the best held-out mean
+# shellcheck disable=SC2086  # a cell and EXTRA are lists of flags: split them into words
+if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then  # one cell per array task; the summary is yours
+  exec python3 dptta.py ${cells[$SLURM_ARRAY_TASK_ID]} --out "$out" --resume $EXTRA
+fi
+ngpu=0
+if command -v nvidia-smi > /dev/null 2>&1; then
+  ngpu=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
+fi
+nworkers=$(( ngpu > 0 ? ngpu : 1 ))  # no GPU: one worker, dptta.py picks the CPU
+echo "run_imagenet_c.sh: ${#cells[@]} cells ($stage) on $nworkers worker(s)" \
+     "($([ "$ngpu" -gt 0 ] && echo "$ngpu GPU(s)" || echo "no GPU: CPU")) -> $out"
+
+worker() {  # worker g runs every nworkers-th cell; a signal stops it and its running cell
+  local g=$1 child= rc j
+  trap '[ -n "$child" ] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
+  for (( j = g; j < ${#cells[@]}; j += nworkers )); do
+    if [ "$ngpu" -gt 0 ]; then export CUDA_VISIBLE_DEVICES=$g; fi
+    python3 dptta.py ${cells[$j]} --out "$out" --resume $EXTRA &  # as command_of prints it
+    child=$!
+    rc=0; wait "$child" || rc=$?
+    child=
+    if [ $rc = 130 ] || [ $rc = 143 ]; then exit $rc; fi  # the cell was stopped: so is the worker
+    [ $rc = 0 ] || echo "run_imagenet_c.sh: cell failed (exit $rc): $(command_of "$j")" >&2
+  done
+}
+pids=()
+for (( g = 0; g < nworkers; g++ )); do
+  worker "$g" &
+  pids+=($!)
+done
+stop() {
+  trap - INT TERM
+  echo "run_imagenet_c.sh: stopping ${#pids[@]} worker(s)" >&2
+  kill -TERM "${pids[@]}" 2> /dev/null || true
+  wait
+  exit "$1"
+}
+trap 'stop 130' INT
+trap 'stop 143' TERM
+wait "${pids[@]}"
+trap - INT TERM
+
+if [ $stage = tune ]; then  # per setting, method and column: the (C, lr) with the best mean
   python3 - "$TUNE_OUT" "$TUNED" <<'PY'
-import json, math, sys
+import json, sys
 best = {}
 for r in map(json.loads, filter(str.strip, open(sys.argv[1]))):
-    if r.get("mode") != "adapt":
+    if r.get("mode") != "adapt" or r.get("smoke"):
         continue
     m, private = r["method"].removeprefix("dp_"), r["method"].startswith("dp_")
-    key = f"{r['setting']}/{m}/{int(r['eps']) if private else 'clip-only'}"
+    key = f"{r['setting']}/{m}/{r['eps']:g}" if private else f"{r['setting']}/{m}/clip-only"
     if r["mean"] > best.get(key, (-1,))[0]:
         best[key] = (r["mean"], r["clip"], r["lr"])
 json.dump({k: [c, lr] for k, (_, c, lr) in sorted(best.items())}, open(sys.argv[2], "w"), indent=1)

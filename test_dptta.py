@@ -6,14 +6,19 @@ import copy
 import json
 import math
 import os
+import pathlib
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pytest
 import timm
 import torch
 import torch.nn as nn
+from PIL import Image
 from scipy import integrate
 
 import dptta
@@ -763,16 +768,29 @@ def test_photo_privacy_unit_composes_k_releases_by_the_closed_form():
 CLI_MODEL = "vit_tiny_patch16_224"
 
 
+@pytest.fixture
+def tmp_path():
+    """A temp folder removed after the test (pytest keeps its own for three runs)."""
+    with tempfile.TemporaryDirectory(prefix="dptta-test-") as d:
+        yield pathlib.Path(d)
+
+
 @pytest.fixture(scope="module")
-def tree(tmp_path_factory):
-    """Two corruptions, 12 images over 10 real wnids, one unreadable file; a random-weight checkpoint."""
-    root = tmp_path_factory.mktemp("imagenet-c")
+def tree():
+    """Two corruptions, 12 images over 10 real wnids, one unreadable file; a random-weight
+    checkpoint; and next to them the bad inputs of bad_tree."""
+    with tempfile.TemporaryDirectory(prefix="dptta-test-tree-") as d:
+        yield make_tree(pathlib.Path(d) / "imagenet-c")
+
+
+def make_tree(root):
     dptta.make_synthetic_tree(str(root), ["gaussian_noise", "shot_noise"], 5, 12, size=48)
     bad = next((root / "gaussian_noise" / "5").iterdir()) / "broken.JPEG"
     bad.write_bytes(b"this is not a jpeg")
     ckpt = root / "tiny.pth"
     torch.manual_seed(0)
     torch.save(timm.create_model(CLI_MODEL, pretrained=False).state_dict(), ckpt)
+    bad_tree(root)
     return root, ckpt
 
 
@@ -868,31 +886,213 @@ def test_cli_imagenet_r_scores_on_the_classes_present(tmp_path):
 
 def bad_input_cases(root, ckpt):
     ok = ["--data", root, "--corruptions", "gaussian_noise", "--model", CLI_MODEL, "--checkpoint", ckpt]
+    run = ["--data", root, "--corruptions", "gaussian_noise", "--model", CLI_MODEL]
     return {
         "no data root": (["--data", "", "--method", "tent"], "no data root"),
         "missing root": (["--data", "/nonexistent/imagenet-c"], "is not a folder"),
         "missing corruption folder": (ok + ["--severity", "3"], "missing"),
         "unknown method": (ok + ["--method", "bogus"], "invalid choice"),
         "unknown corruption": (["--data", root, "--corruptions", "rain"], "unknown corruption"),
+        "no corruptions": (ok + ["--corruptions", ""], "--corruptions is empty"),
         "eps on non-private": (ok + ["--method", "tent", "--eps", "5"], "dp_ methods only"),
+        "eps on source": (ok + ["--method", "source", "--eps", "5"], "source is not private"),
         "eps <= 0": (ok + ["--eps", "0"], "--eps must be > 0"),
         "eps nan": (ok + ["--eps", "nan"], "--eps must be > 0"),
         "delta": (ok + ["--delta", "1.5"], "--delta must be in (0, 1)"),
+        "clip inf": (ok + ["--clip", "inf"], "--clip must be finite"),
+        "lr inf": (ok + ["--lr", "inf"], "--lr must be finite"),
+        "lr nan": (ok + ["--lr", "nan"], "--lr must be finite"),
+        "log every 0": (ok + ["--log-every", "0"], "--log-every must be >= 1"),
+        "workers -1": (ok[:-4] + ["--workers", "-1"], "--workers must be >= 0"),
+        "unknown hp": (ok + ["--hp", "margin=1"], "unknown constant"),
+        "hp not a number": (ok + ["--hp", "e_margin=big"], "is not a float"),
+        "hp inf": (ok + ["--hp", "rho=inf"], "must be finite"),
+        "unknown model": (run + ["--model", "no_such_net"], "unknown timm model"),
         "batchnorm": (["--data", root, "--corruptions", "gaussian_noise", "--model", "resnet18",
                        "--synthetic", "2", "--method", "dp_tent"], "BatchNorm"),
-        "checkpoint mismatch": (["--data", root, "--corruptions", "gaussian_noise", "--model", "vit_small_patch16_224",
-                                 "--checkpoint", ckpt], "does not fit"),
+        "checkpoint mismatch": (run + ["--model", "vit_small_patch16_224", "--checkpoint", ckpt],
+                                "does not fit"),
+        "checkpoint empty": (run + ["--checkpoint", os.path.join(root, "empty.pth")], "does not fit"),
+        "checkpoint folder": (run + ["--checkpoint", root], "is not a file"),
+        "fisher data a file": (ok + ["--method", "eata", "--fisher-data", ckpt], "not a folder"),
+        "fisher data not wnids": (ok + ["--method", "eata", "--fisher-data", root], "expected ROOT/"),
+        "fisher data empty": (ok + ["--method", "eata", "--fisher-data",
+                                    os.path.join(root, "empty")], "class folder"),
+        "imagenet_r on a C tree": (ok + ["--dataset", "imagenet_r"], "expected ROOT/"),
+        "synthetic imagenet_r": (ok + ["--dataset", "imagenet_r", "--synthetic", "4"], "ImageNet-R"),
+        "out is a folder": (ok + ["--out", root], "is a folder"),
+        "out in a missing folder": (ok + ["--out", "/nonexistent/r.jsonl"], "does not exist"),
+        "later folder not a wnid": (["--data", os.path.join(root, "bad"), "--corruptions",
+                                     "gaussian_noise,shot_noise", "--model", CLI_MODEL, "--checkpoint",
+                                     ckpt], "not an ImageNet-1k WordNet id"),
+        "later severity empty": (["--data", os.path.join(root, "bad"), "--corruptions",
+                                  "gaussian_noise,impulse_noise", "--model", CLI_MODEL, "--checkpoint",
+                                  ckpt], "class folder"),
+        "later class without images": (["--data", os.path.join(root, "bad"), "--corruptions",
+                                        "gaussian_noise,defocus_blur", "--model", CLI_MODEL,
+                                        "--checkpoint", ckpt], "no valid file"),
+        "benchmark unknown model": (["--benchmark", "--model", "no_such_net"], "unknown timm model"),
+        "benchmark batchnorm": (["--benchmark", "--model", "resnet18", "--device", "cpu"], "BatchNorm"),
+        "benchmark rounds 0": (["--benchmark", "--rounds", "0"], "--rounds must be >= 1"),
+        "audit trials 0": (["--audit", "--trials", "0"], "--trials must be >= 100"),
+        "audit not private": (["--audit", "--method", "tent"], "needs a dp_ method"),
+        "summarize missing": (["--summarize", "/nonexistent.jsonl"], "does not exist"),
+        "summarize truncated": (["--summarize", os.path.join(root, "truncated.jsonl")], ":2 is not"),
+        "resume truncated": (ok + ["--resume", "--out", os.path.join(root, "truncated.jsonl")],
+                             ":2 is not a JSON line"),
     }
 
 
+def bad_tree(root):
+    """Next to the good tree: empty files and folders, and a tree whose later streams are bad."""
+    (root / "empty.pth").write_bytes(b"")
+    (root / "empty").mkdir(exist_ok=True)
+    (root / "truncated.jsonl").write_text('{"mode": "adapt", "key": {}}\n{"mode": "ad')
+    bad = root / "bad"
+    dptta.make_synthetic_tree(str(bad), ["gaussian_noise"], 5, 2, size=16)
+    image_folder(bad / "shot_noise" / "5" / "not_a_wnid", "", 1)
+    (bad / "impulse_noise" / "5").mkdir(parents=True)
+    (bad / "defocus_blur" / "5" / "n01440764").mkdir(parents=True)
+
+
 @pytest.mark.parametrize("case", list(bad_input_cases("R", "C")))
-def test_cli_bad_input_is_one_line_and_exit_2(tree, case, capsys):
+def test_cli_bad_input_is_one_line_and_exit_2_before_any_image(tree, case, capsys):
     root, ckpt = tree
     argv, message = bad_input_cases(str(root), str(ckpt))[case]
+    if "--out" not in argv:
+        argv = argv + ["--out", os.devnull]
+    if "--workers" not in argv:
+        argv = argv + ["--workers", "0"]
     with pytest.raises(SystemExit) as e:
-        dptta.main(argv + ["--out", os.devnull, "--workers", "0"])
-    err = capsys.readouterr().err.strip()
+        dptta.main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip()
     assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert "top-1" not in captured.out  # nothing was streamed
+    assert "dp_source" not in err  # no advice to use a method that does not exist
+
+
+def test_cli_records_each_corruption_as_it_completes_and_says_clip_only(tree, tmp_path):
+    out = tmp_path / "r.jsonl"
+    r, final = adapt(tree, out, "--method", "dp_tent", "--eps", "inf", "--lr", 0.05)
+    assert "clip only (eps = inf), not private" in r.stdout and "-DP" not in r.stdout
+    assert final["ledger"]["private"] is False and final["ledger"]["note"] == "clip only, not private"
+    rs = records(out)
+    assert [x["mode"] for x in rs] == ["corruption", "corruption", "adapt"]
+    assert [x["corruption"] for x in rs[:2]] == ["gaussian_noise", "shot_noise"]
+    assert all(x["run_id"] == final["run_id"] and x["key"] == final["key"] for x in rs[:2])
+    assert rs[0]["accuracy"] == final["accuracy"]["gaussian_noise"]
+    assert final["error"]["shot_noise"] == pytest.approx(100 - final["accuracy"]["shot_noise"])
+    assert "unreadable, skipped:" in r.stdout and "broken.JPEG" in r.stdout
+    assert final["unreadable"][0].endswith("broken.JPEG")
+
+
+def test_photo_privacy_unit_through_the_cli(tree, tmp_path):
+    r, rec = adapt(tree, tmp_path / "r.jsonl", "--method", "dp_tent", "--eps", 5,
+                   "--privacy-unit", "photo", "--hp", "e_margin=0.5")
+    led = rec["ledger"]
+    assert led["privacy_unit"] == "photo" and led["repeats"] == 2
+    assert led["sigma"] == pytest.approx(1.9601 * math.sqrt(2), abs=2e-4)
+    assert led["eps_per_underlying_image"] == pytest.approx(5, rel=1e-6)  # the photo gets ε
+    assert led["eps_per_test_image"] < 5
+    assert "per photo" in r.stdout and "e_margin=0.5" in r.stdout
+    assert rec["key"]["hp"] == {"e_margin": 0.5} and rec["key"]["privacy_unit"] == "photo"
+
+
+def test_a_diverging_run_stops_naming_the_batch_and_records_no_result(tree, tmp_path, capsys,
+                                                                      monkeypatch):
+    root, ckpt = tree
+    steps = []
+    real_step = dptta.DPTTA._step
+
+    def poisoned(self, g):  # the 2nd step of the 2nd corruption sends θ to NaN
+        real_step(self, g)
+        steps.append(1)
+        if len(steps) == 6:  # gaussian_noise: 13 files, 4 batches
+            next(iter(self.params.values())).data.fill_(math.nan)
+
+    monkeypatch.setattr(dptta.DPTTA, "_step", poisoned)
+    out = tmp_path / "r.jsonl"
+    with pytest.raises(SystemExit) as e:
+        dptta.main(["--data", str(root), "--corruptions", "gaussian_noise,shot_noise", "--model",
+                    CLI_MODEL, "--checkpoint", str(ckpt), "--batch-size", "4", "--workers", "0",
+                    "--method", "tent", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 3 and len(err.splitlines()) == 1
+    assert "θ is not finite after batch 2 of shot_noise" in err
+    assert [x["mode"] for x in records(out)] == ["corruption"]  # gaussian_noise only: it was done
+
+
+def test_resume_key_covers_the_weights(tree, tmp_path):
+    root, ckpt = tree
+    out = tmp_path / "r.jsonl"
+    adapt(tree, out, "--method", "source")
+    r, _ = adapt(tree, out, "--method", "source", "--resume")
+    assert "already in" in r.stdout
+    other = tmp_path / "other.pth"
+    other.write_bytes(ckpt.read_bytes())
+    r = cli("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL,
+            "--checkpoint", other, "--batch-size", 4, "--workers", 0, "--out", out,
+            "--method", "source", "--resume")
+    assert r.returncode == 0 and "already in" not in r.stdout  # other weights: a new run
+    r, _ = adapt(tree, out, "--method", "source", "--resume", "--hp", "rho=0.1")
+    assert "already in" not in r.stdout
+
+
+def fake_run(method, seed, mean, *, eps=None, clip=None, checkpoint="a.pth", smoke=False,
+             limit=None, run_id=None):
+    key = {"method": method, "eps": eps, "delta": 1e-6, "privacy_unit": "image", "clip": clip,
+           "lr": 1e-3, "hp": {}, "batch_size": 64, "setting": "continual", "dataset": "imagenet_c",
+           "severity": 5, "corruptions": ["gaussian_noise"], "model": "vit", "seed": seed,
+           "limit": limit, "weights": checkpoint, "data": "/d", "fisher_data": None,
+           "dtype": "bf16"}
+    return {"mode": "adapt", "run_id": run_id or f"{method}{seed}{mean}", "key": key,
+            "method": method, "eps": eps, "clip": clip, "lr": 1e-3, "seed": seed, "mean": mean,
+            "smoke": smoke, "accuracy": {"gaussian_noise": mean}}
+
+
+def test_summarize_groups_seeds_of_one_cell_only(tmp_path, capsys):
+    runs = [fake_run("tent", 0, 60.0), fake_run("tent", 1, 62.0), fake_run("tent", 2, 64.0),
+            fake_run("tent", 2, 99.0),                       # the same seed again: the latest wins
+            fake_run("dp_tent", 0, 50.0, eps=5.0, clip=1.0),
+            fake_run("tent", 0, 10.0, checkpoint="b.pth"),   # other weights: another table
+            fake_run("tent", 0, 1.0, smoke=True), fake_run("tent", 3, 2.0, limit=100)]
+    partial = {"mode": "corruption", "run_id": "p", "key": fake_run("sar", 0, 0)["key"],
+               "corruption": "gaussian_noise", "accuracy": 40.0}
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in runs + [partial]))
+    assert dptta.main(["--summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    # seeds 0, 1, 2 with 60, 62, 99: mean 73.7, sample std 21.4
+    assert f"{np.mean([60, 62, 99]):.1f} ± {np.std([60, 62, 99], ddof=1):.1f} (n=3)" in out
+    assert "50.0 (n=1)" in out and "10.0 (n=1)" in out and out.count("| mean top-1 %") == 2
+    assert "1 record(s) repeat the seed" in out
+    assert "smoke" in out.split("not in the tables")[1] and "limit 100" in out
+    assert "unfinished runs" in out and "1/1 corruptions: gaussian_noise 40.0" in out
+    assert dptta.main(["--summarize", str(path), "--error", "--per-corruption"]) == 0
+    out = capsys.readouterr().out
+    assert "error %" in out and f"{100 - np.mean([60, 62, 99]):.1f}" in out and "gaussian_noise" in out
+
+
+def test_offline_weights_fail_fast_naming_the_file_and_the_switch(tree, tmp_path):
+    root, _ = tree
+    r = subprocess.run([sys.executable, os.path.join(HERE, "dptta.py"), "--data", str(root),
+                        "--corruptions", "gaussian_noise", "--model", "vit_tiny_patch16_224",
+                        "--out", str(tmp_path / "r.jsonl"), "--workers", "0"],
+                       env=dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf")),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--checkpoint" in r.stderr and "HF_HUB_OFFLINE" in r.stderr and "timm/" in r.stderr
+
+
+def test_a_failed_smoke_run_leaves_no_temp_tree(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(HERE, "dptta.py"), "--synthetic", "2",
+                        "--model", "resnet18", "--method", "dp_tent", "--workers", "0",
+                        "--out", str(tmp_path / "r.jsonl")],
+                       env=dict(os.environ, TMPDIR=str(tmp_path)), capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "BatchNorm" in r.stderr
+    assert not list(tmp_path.glob("dptta-synthetic-*"))
 
 
 def test_cli_bad_input_in_a_real_process_has_no_traceback(tree):
@@ -908,17 +1108,115 @@ def test_synthetic_smoke_run(tmp_path):
     assert "SMOKE RUN" in r.stdout and "mean top-1" in r.stdout
 
 
-def test_run_imagenet_c_dry_run_lists_the_grid():
-    r = subprocess.run(["bash", os.path.join(HERE, "run_imagenet_c.sh"), "--dry-run"], capture_output=True, text=True,
-                       env=dict(os.environ, SEEDS="0 1", SETTINGS="continual episodic"), timeout=120)
+GRID = os.path.join(HERE, "run_imagenet_c.sh")
+
+
+def grid(*args, **env):
+    return subprocess.run(["bash", GRID, *args], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, **env))
+
+
+def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
+    r = grid("--dry-run", SEEDS="0 1", SETTINGS="continual episodic", OUT="r s.jsonl",
+             EXTRA="--limit 9")
     assert r.returncode == 0, r.stderr
-    lines = [l for l in r.stdout.splitlines() if l.startswith("python dptta.py")]
+    lines = [line for line in r.stdout.splitlines() if line.startswith("python3 dptta.py")]
     assert len(lines) == 2 * 2 * (1 + 5 * 7) and "# 144 cells (main)" in r.stdout
-    assert "python dptta.py --method dp_tent --eps 5 --clip 1 --lr 0.001 --setting continual --seed 0" in lines
-    assert "python dptta.py --method deyo --clip 35 --lr 0.005 --setting episodic --seed 1" in lines
-    r = subprocess.run(["bash", os.path.join(HERE, "run_imagenet_c.sh"), "tune", "--dry-run"], capture_output=True,
-                       text=True, env=dict(os.environ, SEEDS="0", SETTINGS="continual"), timeout=120)
+    tail = r" --out r\ s.jsonl --resume --limit 9"
+    assert ("python3 dptta.py --method dp_tent --eps 5 --clip 1 --lr 0.001 --setting continual "
+            "--seed 0" + tail) in lines
+    assert ("python3 dptta.py --method deyo --hp plpd_threshold=0.3 --clip 35 --lr 0.005 "
+            "--setting episodic --seed 1" + tail) in lines
+    assert ("python3 dptta.py --method sar --hp e_margin=0.5 --setting continual --seed 0"
+            + tail) in lines
+    assert not any("dp_sar" in line and "--hp" in line for line in lines)  # DP: no filters
+    r = grid("tune", "--dry-run", SEEDS="0", SETTINGS="continual")
     assert "# 1350 cells (tune)" in r.stdout and "speckle_noise,gaussian_blur,spatter,saturate" in r.stdout
+    r = grid("--dry-run", SEEDS="0", SETTINGS="continual", METHODS="sar", VARIANTS="dp",
+             EPSILONS="5 1")
+    assert r.stdout.count("python3 dptta.py --method dp_sar") == 2 and "# 2 cells" in r.stdout
+
+
+def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
+    (tmp_path / "python3").write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    (tmp_path / "python3").chmod(0o755)
+    r = grid("--count", PATH=f"{tmp_path}:{os.environ['PATH']}")
+    assert r.returncode == 1 and "could not list the grid" in r.stderr and r.stdout == ""
+    r = grid("--dry-run", METHODS="tent", VARIANTS="none")
+    assert r.returncode == 2 and "empty" in r.stderr
+
+
+def test_grid_runs_on_a_cpu_without_nvidia_smi_and_summarizes(tree, tmp_path):
+    root, ckpt = tree
+    extra = (f"--data {root} --model {CLI_MODEL} --checkpoint {ckpt} --corruptions gaussian_noise "
+             "--workers 0 --batch-size 4 --limit 8")
+    env = dict(SEEDS="0", SETTINGS="continual", METHODS="tent", EPSILONS="5",
+               OUT=str(tmp_path / "g.jsonl"), EXTRA=extra,
+               PATH=os.path.dirname(sys.executable) + ":/usr/bin:/bin")
+    if subprocess.run(["sh", "-c", "command -v nvidia-smi"], env=env).returncode == 0:
+        pytest.skip("this machine has nvidia-smi")
+    r = grid(**env)
+    assert r.returncode == 0, r.stderr
+    assert "1 worker(s) (no GPU: CPU)" in r.stdout
+    finals = [x for x in records(tmp_path / "g.jsonl") if x["mode"] == "adapt"]
+    assert sorted((x["method"], str(x["clip"])) for x in finals) == [
+        ("dp_tent", "1.0"), ("tent", "0.1"), ("tent", "None")]
+    assert "not in the tables (smoke or --limit runs)" in r.stdout  # --limit runs: listed apart
+
+
+def processes_with(marker):
+    """pids whose command line mentions marker."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def wait_until(check, seconds):
+    end = time.time() + seconds
+    while time.time() < end:
+        if check():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_sigterm_stops_the_grid_and_every_worker(tmp_path):
+    marker = str(tmp_path / "marker.jsonl")
+    env = dict(os.environ, SEEDS="0 1 2", SETTINGS="continual", METHODS="tent", OUT=marker,
+               TMPDIR=str(tmp_path), EXTRA=f"--synthetic 400 --model {CLI_MODEL} --workers 0")
+    p = subprocess.Popen(["bash", GRID], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True)
+    assert wait_until(lambda: processes_with(marker), 60)  # a cell's python (--out marker)
+    assert wait_until(lambda: list(tmp_path.glob("dptta-synthetic-*")), 60)  # a cell is running
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 143
+    assert wait_until(lambda: not processes_with(marker), 30), "a worker or cell survived"
+    assert "stopping" in p.stderr.read()
+    assert not list(tmp_path.glob("dptta-synthetic-*"))  # the cell's temp tree went with it
+    assert not os.path.exists(marker) or not any(x["mode"] == "adapt" for x in records(marker))
+
+
+def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path):
+    out = tmp_path / "r.jsonl"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "dptta.py"), "--synthetic", "400",
+                          "--model", CLI_MODEL, "--workers", "2", "--batch-size", "8",
+                          "--log-every", "1", "--out", str(out)],
+                         env=dict(os.environ, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert "dptta |" in p.stdout.readline()
+    assert wait_until(lambda: list(tmp_path.glob("dptta-synthetic-*")), 30)
+    p.stdout.readline()  # streaming
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=60) == 130
+    assert "stopped by SIGINT" in p.stderr.read()
+    assert not list(tmp_path.glob("dptta-synthetic-*"))
+    assert not any(x["mode"] == "adapt" for x in records(out))
 
 
 # ----------------------------------------------------------------------------
@@ -1026,6 +1324,44 @@ def test_clip_only_originals_and_batch_of_one(method):
     for i in range(3):
         assert b(images(1, i)).shape == (1, K)
     assert any(not torch.equal(b.theta0[n], p) for n, p in b.params.items())
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_image_never_poisons_theta_in_any_method(bad):
+    x = images(6)
+    x[2] = bad
+    for method in dptta.METHODS[1:]:
+        for clip in ([None, 1.0] if method in dptta.BASES else [1.0]):
+            a = dptta.DPTTA(tiny_vit(), method, **kw(method, clip=clip, e_margin=2.0))
+            a(x), a(images(6, seed=3))
+            assert all(torch.isfinite(p).all() for p in a.params.values()), (method, clip)
+            if method.startswith("dp_") or method in ("tent", "come"):  # no filter drops it first
+                assert a.tally["nonfinite"] >= 1, (method, clip)
+            moved = sum((p - a.theta0[n]).abs().sum() for n, p in a.params.items())
+            assert moved > 0, (method, clip)  # the other samples still adapt
+
+
+def test_a_decompression_bomb_is_an_unreadable_image(tmp_path):
+    import struct
+    import zlib
+    side = 20000  # 4e8 pixels: PIL refuses it as a bomb; the file is ~50 KB
+    raw = zlib.compressobj(9)
+    row = b"\0" * (1 + side // 8)
+    body = b"".join(raw.compress(row) for _ in range(side)) + raw.flush()
+
+    def chunk(kind, data):
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0))
+           + chunk(b"IDAT", body) + chunk(b"IEND", b""))
+    folder = tmp_path / "n01440764"
+    folder.mkdir()
+    (folder / "bomb.png").write_bytes(png)
+    Image.new("RGB", (8, 8)).save(folder / "fine.png")
+    ds = dptta.WnidFolder(str(tmp_path), timm.data.create_transform(input_size=(3, 8, 8)))
+    got = sorted(ds[i][0] is None for i in range(len(ds)))
+    assert got == [False, True] and ds[0][1].endswith("bomb.png")
 
 
 def test_unreadable_image_keeps_its_place_in_the_batch():
