@@ -1,35 +1,30 @@
 """dptta: differentially private test-time adaptation (DP-TTA) in one file.
 
-Reading guide: Part I (to the end of `DPTTA`) is DP-TTA itself and can be copied alone;
-Part II streams ImageNet-C through it from the command line; the Appendix holds the tools.
+Reading guide: Part I (to the end of class DPTTA) is DP-TTA itself, to copy as one block;
+Part II runs it on ImageNet-C from the command line; the Appendix holds the tools.
 
-Test-time adaptation (Tent, EATA, SAR, DeYO, COME) updates the affine parameters
-of a model's normalization layers on unlabeled test batches. Those updates leak
-the test data. Here every update can be made private with DP-SGD's recipe:
+Test-time adaptation (Tent, EATA, SAR, DeYO, COME) updates the affine parameters of a
+model's normalization layers on unlabeled test batches, and the updates leak the test
+data. Here every update can be private, with DP-SGD's recipe:
 
     g_i = ∇θ ℓ(x_i)                                    one sample's own loss
     Δ   = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B   clip, sum, noise, average
     θ  ← SGD-momentum(θ, Δ)                             post-processing
 
-What is private: each test image (the privacy unit), against replacing it by any
-other image (change-one neighbours, so the sensitivity of the clipped sum is
-2C). A stream shows every image once, so the whole stream is μ-GDP with μ = 2/σ
-(see `gdp_delta`). Released: the adapted parameters after every step and every
-prediction made for *other* images. The adapter's prediction for an image is
-made before that image is used, but it is a function of the image itself and
-so is returned to its owner, not released.
+Private: each test image, against replacing it by any other (change-one: the clipped sum
+moves by at most 2C). A stream shows every image once, so the whole stream is μ-GDP with
+μ = 2/σ (see gdp_delta). Released: θ after every step and every prediction for *other*
+images (an image's own prediction is computed from it, so it goes back to its owner).
 
-Quick start (no data, no GPU, random weights, about a minute):
-    python dptta.py --synthetic 16 --method dp_tent --eps 5
-ImageNet-C on a GPU (a header, a line per corruption, a table, JSONL records):
-    python dptta.py --data /data/ImageNet-C --method dp_deyo --eps 5
-Tools: --benchmark (cost of privacy), --audit (empirical ε lower bound),
---summarize results.jsonl (the paper's tables). As a library:
+    python dptta.py --synthetic 16 --method dp_tent --eps 5          # smoke run, CPU, ~1 min
+    python dptta.py --data /data/ImageNet-C --method dp_deyo --eps 5  # the paper, on a GPU
+    python dptta.py --benchmark | --audit | --summarize results.jsonl  # the tools
+As a library:
     adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)
     logits = adapter(x)   # predicts with the current θ, then takes a private step
 """
 # ============================================================================
-# Part I: DP-TTA (needs torch, numpy, scipy; nothing below)
+# Part I: DP-TTA (needs torch, numpy and scipy; nothing from the parts below)
 import collections
 import contextlib
 import math
@@ -68,16 +63,13 @@ def _log_gdp_delta(eps, sigma):
 def gdp_delta(*, eps, sigma):
     """δ(ε) of the Gaussian mechanism with noise σ·C on a sum of sensitivity 2C.
 
-    Privacy unit: one test sample. Neighbours: streams that differ by replacing
-    one sample (so one clipped gradient moves by at most 2C). Such a step is
-    μ-GDP with μ = 2C/(σC) = 2/σ (Dong, Roth & Su 2022, Thm 2.7), and
-        δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ)      (Cor. 2.13, μ = 2/σ).
-    No composition: a stream shows each sample in exactly one step; every later
-    step reads it only through θ, which is post-processing of that one release
-    (adaptive steps on disjoint data compose in parallel). Released: the adapted
-    parameters and all predictions for other samples. NOT covered: one photo
-    shown k times (ImageNet-C: under 15 corruptions) is μ√k-GDP: use sigma/√k here,
-    or calibrate_sigma(..., repeats=k).
+    Unit: one test sample; neighbours: streams that differ by replacing it (one clipped
+    gradient moves by at most 2C). A step is μ-GDP with μ = 2C/(σC) = 2/σ (Dong, Roth &
+    Su 2022, Thm 2.7), and δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ) (Cor. 2.13).
+    No composition: a stream shows each sample in one step only; later steps read it
+    only through θ, post-processing of that release (adaptive steps on disjoint data
+    compose in parallel). NOT covered: a photo shown in k streams (ImageNet-C: 15
+    corruptions) is μ√k-GDP: use sigma/√k here, or calibrate_sigma(..., repeats=k).
     """
     _check_privacy(eps=eps, sigma=sigma)
     if sigma == 0:
@@ -87,11 +79,20 @@ def gdp_delta(*, eps, sigma):
     return float(np.exp(_log_gdp_delta(eps, sigma)))
 
 
-def calibrate_sigma(*, eps, delta, repeats=1):
-    """The smallest σ with gdp_delta(eps, σ/√repeats) <= delta; 0.0 for eps = inf (clip only).
+def _root(f, lo, hi):
+    """Where the decreasing f crosses 0, once [lo, hi] is widened to bracket it."""
+    while f(lo) < 0:
+        lo /= 2
+    while f(hi) > 0:
+        hi *= 2
+    return optimize.brentq(f, lo, hi, xtol=1e-14, rtol=1e-10)
 
-    repeats = k > 1: the unit appears in k releases (one photo in k streams); k releases
-    of (2/σ)-GDP compose to (2√k/σ)-GDP (Dong, Roth & Su, Cor. 3.3), hence σ·√k.
+
+def calibrate_sigma(*, eps, delta, repeats=1):
+    """The smallest σ with gdp_delta(eps, σ/√repeats) <= delta; 0.0 for eps = inf.
+
+    repeats = k: the unit is in k releases (a photo in k streams); k releases of
+    (2/σ)-GDP compose to (2√k/σ)-GDP (Dong, Roth & Su, Cor. 3.3), hence σ·√k.
     """
     _check_privacy(eps=eps, delta=delta)
     if math.isinf(eps):
@@ -100,12 +101,7 @@ def calibrate_sigma(*, eps, delta, repeats=1):
     def excess(s):  # log δ(σ) − log δ_target, decreasing in σ
         return _log_gdp_delta(eps, s) - math.log(delta)
 
-    lo, hi = 0.1, 1.0
-    while excess(lo) < 0:
-        lo /= 2
-    while excess(hi) > 0:
-        hi *= 2
-    sigma = optimize.brentq(excess, lo, hi, xtol=1e-14, rtol=1e-10)
+    sigma = _root(excess, 0.1, 1.0)
     while excess(sigma) > 0:  # brentq may stop a hair on the wrong side: never under-noise
         sigma *= 1 + 1e-10
     return float(sigma) * math.sqrt(repeats)
@@ -120,27 +116,21 @@ def gdp_epsilon(*, sigma, delta):
     def excess(e):  # log δ(ε) − log δ_target, decreasing in ε
         return _log_gdp_delta(e, sigma) - math.log(delta)
 
-    if excess(0.0) <= 0:
-        return 0.0
-    hi = 1.0
-    while excess(hi) > 0:
-        hi *= 2
-    return float(optimize.brentq(excess, 0.0, hi, xtol=1e-14, rtol=1e-10))
+    return 0.0 if excess(0.0) <= 0 else float(_root(excess, 0.0, 1.0))
 
 
 # ----------------------------------------------------------------------------
 # Per-sample gradients, clipping and noise
 
-# LayerNorm covers timm's LayerNorm and ConvNeXt's LayerNorm2d (subclasses); _BatchNorm
-# covers BatchNorm1d/2d/3d and timm's BatchNormAct2d.
+# LayerNorm includes timm's LayerNorm2d (ConvNeXt); _BatchNorm, timm's BatchNormAct2d
 BATCH_NORM = nn.modules.batchnorm._BatchNorm
 NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM)
 
 
 def _trunk_cut(model):
-    """Name of the first module of the trunk's top: ViT's last 3 blocks, the last stage of
-    a staged net (ConvNeXt's `stages`), or a ResNet's last `layerN`."""
-    resnet_layers = []
+    """Name of the first module of the trunk's top: ViT's last 3 blocks, a staged net's
+    last stage (ConvNeXt's `stages`), or a ResNet's last `layerN`."""
+    layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("blocks", "stages") and isinstance(module, (nn.Sequential, nn.ModuleList)):
@@ -148,23 +138,17 @@ def _trunk_cut(model):
             if top > 0:
                 return f"{name}.{top}"
         if re.fullmatch(r"layer\d+", leaf) and isinstance(module, nn.Sequential):
-            resnet_layers.append((int(leaf[5:]), name))
-    if len(resnet_layers) > 1:
-        return max(resnet_layers)[1]
-    return None
+            layers.append((int(leaf[5:]), name))
+    return max(layers)[1] if len(layers) > 1 else None
 
 
 def adaptable_params(model, *, skip_top=False, private=True):
     """The affine parameters of the normalization layers to adapt, by name.
 
-    skip_top=True (SAR, DeYO) keeps only the norms registered before the top of
-    the trunk: ViT blocks 0..n-4 (ViT-B/16: blocks 0-8, not the final norm), for
-    staged nets (ConvNeXt) the stem and every stage but the last, for ResNets
-    everything before layer4.
-    private=True (DP, and any per-sample clipping) refuses BatchNorm: a BN layer
-    normalizes each sample with statistics of the whole batch, so one sample's
-    gradient depends on the others and its clipped norm no longer bounds what it
-    can change. The non-private originals adapt BN's affine parameters as Tent does.
+    skip_top (SAR, DeYO): only the norms before the trunk's top (ViT-B/16: blocks 0-8).
+    private (DP, and any per-sample clip) refuses BatchNorm: BN normalizes a sample with
+    statistics of the whole batch, so its gradient depends on the others and its clipped
+    norm no longer bounds what it can change. The originals adapt BN as Tent does.
     """
     bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
     if private and bn:
@@ -188,19 +172,15 @@ VMAP_FALLBACKS = collections.Counter()  # op -> passes in which vmap ran it once
 
 
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
-    """g_i = ∇θ loss_fn(f_θ(x_i), ctx_i) for every sample i, and the logits of that forward.
+    """g_i = ∇θ loss_fn(f_θ(x_i), ctx_i) for each sample i: ({name: [B, *shape]}, logits).
 
-    params: {name: tensor} to differentiate (the adapted ones); every other
-    parameter and buffer is passed unbatched and frozen. loss_fn maps logits [N, K]
-    (and ctx [N, ...]) to per-sample losses [N]. Returns ({name: [B, *shape]}, logits).
-
-    How: sample i gets its own copy θ_i of the adapted parameters, and the forward
-    and the loss run under vmap over (θ_i, x_i, ctx_i), so ℓ_i sees sample i alone.
-    Then ONE ordinary backward of Σ_j ℓ_j: ℓ_j does not touch θ_i for j ≠ i, so
-    ∂(Σ_j ℓ_j)/∂θ_i = g_i exactly. Autograd runs outside vmap, so every backward
-    kernel (fused attention's included, which has no vmap rule) runs once on the
-    whole batch; vmap(grad(ℓ)) would run such kernels once per sample.
-    chunk_size: samples per forward/backward (None = the whole batch).
+    params: {name: tensor} to differentiate; every other parameter and buffer is frozen.
+    loss_fn maps logits [N, K] (and ctx [N, ...]) to per-sample losses [N].
+    How: sample i gets its own copy θ_i, and forward and loss run under vmap over (θ_i,
+    x_i, ctx_i), so ℓ_i sees sample i alone. Then ONE ordinary backward of Σ_j ℓ_j: only
+    ℓ_i touches θ_i, so ∂(Σ_j ℓ_j)/∂θ_i = g_i exactly, and every backward kernel (fused
+    attention's too, which has no vmap rule) runs once on the batch, not once per sample
+    as under vmap(grad(ℓ)). chunk_size: samples per pass (None = the whole batch).
     """
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
@@ -216,20 +196,18 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     def batched_pass():
         grads, logits, step = [], [], chunk_size or len(x)
         for s in range(0, len(x), step):
-            xs = x[s:s + step]
             cs = None if ctx is None else ctx[s:s + step]
-            # [B, *shape] views of θ: 38k scalars per sample for ViT-B/16, nothing to copy
-            theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
+            # [b, *shape] views of θ: 38k scalars a sample for ViT-B/16, nothing copied
+            theta = {n: p.detach().expand(len(x[s:s + step]), *p.shape).requires_grad_()
                      for n, p in params.items()}
-            losses, z = vmap(loss_one, in_dims)(theta, xs, cs)
+            losses, z = vmap(loss_one, in_dims)(theta, x[s:s + step], cs)
             grads.append(torch.autograd.grad(losses.sum(), list(theta.values()),
                                              allow_unused=True, materialize_grads=True))
             logits.append(z.detach())
-        g = {n: torch.cat([chunk[k] for chunk in grads]) for k, n in enumerate(params)}
-        return g, torch.cat(logits)
+        return {n: torch.cat([g[k] for g in grads]) for k, n in enumerate(params)}, torch.cat(logits)
 
     # CPU's fused attention kernel has no vmap rule even for its forward; the math backend
-    # (matmuls and softmax) batches. CUDA's flash/efficient/cuDNN forwards batch as they are.
+    # (matmuls, softmax) batches. CUDA's flash/efficient/cuDNN forwards batch as they are.
     attention = contextlib.nullcontext()
     if x.device.type == "cpu":
         attention = sdpa_kernel(SDPBackend.MATH)
@@ -238,9 +216,9 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
 
 
 def _without_fallback(fn):
-    """fn() with vmap's per-sample fallback made an error; if an op needs it anyway, warn once
-    per op saying what to do, count it in VMAP_FALLBACKS and run fn() again allowing it
-    (exact, but slow). A caller that disabled the fallback itself gets the error."""
+    """fn() with vmap's per-sample fallback made an error; if an op needs it anyway, warn
+    once per op with what to do, count it in VMAP_FALLBACKS, and run fn() allowing it
+    (exact but slow). A caller that disabled the fallback itself gets the error."""
     functorch = torch._C._functorch
     allowed = functorch._is_vmap_fallback_enabled()
     functorch._set_vmap_fallback_enabled(False)
@@ -254,32 +232,28 @@ def _without_fallback(fn):
         functorch._set_vmap_fallback_enabled(allowed)
     VMAP_FALLBACKS[op[1]] += 1
     if VMAP_FALLBACKS[op[1]] == 1:
-        warnings.warn(f"per_sample_grads: {op[1]} has no vmap batching rule, so it runs once "
-                      "per sample (exact, slow); use another op in the model, e.g. non-fused "
-                      "attention (timm: fused_attn=False)", stacklevel=3)
-    functorch._set_vmap_fallback_warning_enabled(False)  # said once above, not at every call
+        warnings.warn(f"per_sample_grads: {op[1]} has no vmap batching rule and runs once per "
+                      "sample (exact, slow); use another op, e.g. non-fused attention (timm: "
+                      "fused_attn=False)", stacklevel=3)
+    functorch._set_vmap_fallback_warning_enabled(False)  # warned above, not at every call
     try:
         return fn()
     finally:
         functorch._set_vmap_fallback_warning_enabled(True)
 
 
-def at_least_fp32(t):
-    """bf16/fp16 -> fp32 (a rounded clip factor can push a norm over C, and bf16 noise has
-    too few bits to be Gaussian); fp64 stays fp64."""
+def at_least_fp32(t):  # bf16/fp16 -> fp32, fp64 stays fp64
     return t.double() if t.dtype == torch.float64 else t.float()
 
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
     """Δ = (Σ_i g_i·min(1, C/‖g_i‖₂) + N(0, σ²C²I)) / B, the norm over all tensors jointly.
 
-    The noise is calibrated to the *sum* (sensitivity 2C under replace-one) and
-    only then divided by B: noise σC/B on a mean would be B times too small.
-    Everything runs in fp32 or better, also under bf16 autocast.
-    A non-finite g_i counts as zero (counted in tally["nonfinite"] if given). That
-    keeps the guarantee: the decision depends on sample i alone and zero has norm
-    <= C, so replacing sample i still moves the sum by at most 2C. The tally is
-    a fact about the data: it is not covered by the guarantee, do not publish it.
+    The noise is calibrated to the *sum* (sensitivity 2C) and only then divided by B:
+    σC/B on a mean would be B times too small. All in fp32 or better, also under bf16
+    autocast: a rounded clip factor can push a norm over C, and bf16 noise is too coarse.
+    A non-finite g_i counts as zero (tally["nonfinite"]): the decision reads sample i
+    alone and 0 has norm <= C, so the sensitivity stays 2C. The tally is not private.
     """
     device = next(iter(per_sample_grads.values())).device
     with torch.autocast(device.type, enabled=False):
@@ -294,7 +268,7 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
             tally["nonfinite"] = tally.get("nonfinite", 0) + (~finite).sum()
         out = {}
         for name, t in g.items():
-            per_sample = (-1,) + (1,) * (t.dim() - 1)  # broadcasts a [B] vector over t
+            per_sample = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector broadcast over t
             t = torch.where(finite.view(per_sample), t, 0.0)  # NaN·0 is NaN: select first
             total = (factor.view(per_sample) * t).sum(0)
             if sigma > 0:  # fresh noise for every tensor, N(0, σ²C²) per coordinate
@@ -305,8 +279,8 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
 
 
 # ----------------------------------------------------------------------------
-# Losses: per sample, logits [N, K] -> [N]; K is the number of classes (of the logits,
-# unless given: the paper's ImageNet-R runs score 200 classes but use K = 1000)
+# Losses: per sample, logits [N, K] -> [N]. K = the number of classes: of the logits, or
+# num_classes (the paper's ImageNet-R runs score 200 classes but compute with K = 1000)
 
 
 def entropy(logits):
@@ -329,7 +303,7 @@ def come_entropy(logits, num_classes=None):
 
 
 def plpd(logits, shuffled_probs):
-    # PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x): how much the prediction rests on object shape
+    # PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x): how much the prediction rests on shape
     p = at_least_fp32(logits).softmax(-1)
     y = p.argmax(-1, keepdim=True)
     return (p.gather(-1, y) - shuffled_probs.gather(-1, y)).squeeze(-1).detach()
@@ -348,9 +322,7 @@ def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.
 
 def patch_shuffle(x, grid, generator):
     """x′: each image cut into grid×grid patches, shuffled with its own permutation.
-
-    Pixels beyond the last full patch (H or W not divisible by grid) stay in place.
-    """
+    Pixels beyond the last full patch (H or W not divisible by grid) stay in place."""
     B, ch, H, W = x.shape
     h, w = H // grid, W // grid
     core = x[..., :h * grid, :w * grid].reshape(B, ch, grid, h, grid, w)
@@ -377,9 +349,9 @@ def patch_shuffle(x, grid, generator):
 #
 # dp_<method>: the same ℓ_i, clipped and noised, NO filter (whether sample i counts must
 # not depend on sample j, and a kept count is itself data); EATA's penalty is added after
-# the noise (it reads θ, θ0 and public F only); SAR's ascent follows the previous private
-# gradient (DP-SAT), so it costs nothing. <method> with clip=C: filter kept, per-sample
-# clip, no noise (the paper's clip-only variants). "lower": norms below the trunk's top.
+# the noise (it reads θ, θ0 and public F only); SAR ascends along the previous private
+# gradient (DP-SAT, for free). <method> with clip=C: filter kept, per-sample clip, no
+# noise (the paper's clip-only variants). "lower": the norms below the trunk's top.
 
 BASES = ("tent", "come", "eata", "sar", "deyo", "deyo_come")
 METHODS = ("source",) + BASES + tuple("dp_" + b for b in BASES)
@@ -389,14 +361,36 @@ LOWER_NORMS = ("sar", "deyo", "deyo_come")
 SHUFFLED = ("deyo", "deyo_come")
 
 
+def _check_adapter(method, eps, delta, clip, lr, privacy_unit, repeats):
+    """DPTTA's arguments: one ValueError line for anything wrong."""
+    private, problem = method.startswith("dp_"), None
+    if private and eps is not None:
+        _check_privacy(eps=eps, delta=delta)
+    if private and eps is None:
+        problem = f"{method} needs eps (inf = clip only, no noise)"
+    elif not private and eps is not None:
+        problem = f"eps applies to the dp_ methods only, not {method}"
+    elif private and clip is None:
+        problem = f"{method} needs clip, the per-sample clip norm C"
+    elif clip is not None and not 0 < clip < math.inf:
+        problem = f"clip must be finite and > 0 (None = no clipping), got {clip}"
+    elif method != "source" and not (lr is not None and 0 < lr < math.inf):
+        problem = f"{method} needs a finite lr > 0, got {lr}"
+    elif privacy_unit not in ("image", "photo"):
+        problem = f"privacy_unit is 'image' or 'photo', got {privacy_unit!r}"
+    elif not (isinstance(repeats, int) and repeats >= 1):
+        problem = f"repeats (streams a photo is in) must be an int >= 1, got {repeats}"
+    if problem:
+        raise ValueError(problem)
+
+
 class DPTTA(nn.Module):
     """Wraps a model; forward(x) predicts with the current θ, then adapts θ on x.
 
-    method: "source" (no adaptation), an original (table above; clip=C for its
-    clip-only variant) or dp_<original>, (eps, delta)-DP; eps=inf is the DP recipe
-    without noise. Every step is SGD with momentum 0.9 on the adapted norms.
-    privacy_unit="photo" with repeats=k: σ·√k, so that a photo shown in k streams
-    is (eps, delta)-DP over all of them. fisher: EATA's {name: F} (none: no penalty).
+    method: "source", an original (table above; clip=C: its clip-only variant) or
+    dp_<original>, (eps, delta)-DP (eps=inf: the recipe without noise). Each step is SGD
+    with momentum 0.9. privacy_unit="photo", repeats=k: σ·√k, so that a photo in k streams
+    is (eps, delta)-DP over all of them. fisher: EATA's {name: F} (None: no penalty).
     """
 
     def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
@@ -406,12 +400,11 @@ class DPTTA(nn.Module):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        self.method, self.private = method, method.startswith("dp_")
-        self.base = method.removeprefix("dp_")
-        self._check(eps, delta, clip, lr, privacy_unit, repeats)
+        self.method, self.base = method, method.removeprefix("dp_")
+        self.private = method.startswith("dp_")
+        _check_adapter(method, eps, delta, clip, lr, privacy_unit, repeats)
         self.eps, self.delta = (eps, delta) if self.private else (None, None)
-        self.privacy_unit, self.repeats = privacy_unit, repeats
-        self.sigma = 0.0
+        self.privacy_unit, self.repeats, self.sigma = privacy_unit, repeats, 0.0
         if self.private:  # unit "photo": a photo's k releases together are (ε, δ)-DP
             k = repeats if privacy_unit == "photo" else 1
             self.sigma = calibrate_sigma(eps=eps, delta=delta, repeats=k)
@@ -421,10 +414,10 @@ class DPTTA(nn.Module):
         self.model.requires_grad_(False)
         if self.base == "source":
             return
-        per_sample = self.clip is not None
-        self.params = adaptable_params(model, skip_top=self.base in LOWER_NORMS, private=per_sample)
-        for m in model.modules():  # (originals only) Tent: BN normalizes with the test batch's
-            if isinstance(m, BATCH_NORM):  # own statistics, no running averages
+        self.params = adaptable_params(model, skip_top=self.base in LOWER_NORMS,
+                                       private=self.clip is not None)
+        for m in model.modules():  # (originals only) Tent: BN normalizes with the test
+            if isinstance(m, BATCH_NORM):  # batch's own statistics, no running averages
                 m.train()
                 m.track_running_stats = False
         for p in self.params.values():
@@ -434,46 +427,26 @@ class DPTTA(nn.Module):
                        patch_grid=patch_grid, fisher_lambda=fisher_lambda, num_classes=num_classes)
         device = next(iter(self.params.values())).device
         # the per-sample pass in chunks of 8 on CPU, where small chunks stay in cache (ViT-S/16,
-        # batch 32, 2 cores: 0.96x Tent's step; 16: 1.05x; whole batch: 1.42x); one pass on GPUs
+        # batch 32, 2 cores: 0.96x Tent's step; 16: 1.05x; whole batch: 1.42x); one on GPUs
         self.chunk_size = chunk_size
         if chunk_size == "auto":
             self.chunk_size = 8 if device.type == "cpu" else None
         self.ent = entropy
         if self.base in COME_LOSS:
             self.ent = partial(come_entropy, num_classes=num_classes)
-        # ℓ_i(logits, ctx): the per-sample loss whose gradient is clipped, weights inside
-        self.loss = self._plain_loss
+        self.loss = self._plain_loss  # ℓ_i(logits, ctx), the loss whose gradient is clipped
         if self.base in WEIGHTED:
             self.loss = partial(confidence_weighted, ent=self.ent, e_margin=e_margin,
                                 num_classes=num_classes)
-        # Noise and shuffles get their own seeded streams; reset() never rewinds them:
-        # reusing a noise draw on another batch would let it be subtracted out.
+        # Noise and shuffles draw from their own seeded streams that reset() never rewinds:
+        # the same noise on two batches could be subtracted out.
         self.noise_gen = torch.Generator(device).manual_seed(seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed + 1)
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        self.fisher = fisher
         if fisher is not None and set(fisher) != set(self.params):
             raise ValueError("fisher must have one tensor per adapted parameter (see .params)")
-        self.tally = {}
+        self.fisher, self.tally = fisher, {}
         self.reset()
-
-    def _check(self, eps, delta, clip, lr, privacy_unit, repeats):
-        if self.private and eps is None:
-            raise ValueError(f"{self.method} needs eps (inf = clip only, no noise)")
-        if self.private:
-            _check_privacy(eps=eps, delta=delta)
-        if not self.private and eps is not None:
-            raise ValueError(f"eps applies to the dp_ methods only, not {self.method}")
-        if self.private and clip is None:
-            raise ValueError(f"{self.method} needs clip, the per-sample clip norm C")
-        if clip is not None and not 0 < clip < math.inf:
-            raise ValueError(f"clip must be finite and > 0 (None = no clipping), got {clip}")
-        if self.base != "source" and not (lr is not None and 0 < lr < math.inf):
-            raise ValueError(f"{self.method} needs a finite lr > 0, got {lr}")
-        if privacy_unit not in ("image", "photo"):
-            raise ValueError(f"privacy_unit is 'image' or 'photo', got {privacy_unit!r}")
-        if not (isinstance(repeats, int) and repeats >= 1):
-            raise ValueError(f"repeats (streams a photo is in) must be an int >= 1, got {repeats}")
 
     def reset(self):
         """Back to the source model: parameters, optimizer and method state (not the RNGs)."""
@@ -506,18 +479,15 @@ class DPTTA(nn.Module):
         if self.base == "eata":  # redundancy: skip samples that look like the recent average
             p = logits.detach().float().softmax(-1)
             if self.m is not None:
-                cos = torch.cosine_similarity(self.m[None], p, dim=1)
-                new &= cos.abs() < self.hp["d_margin"]
+                new &= torch.cosine_similarity(self.m[None], p, dim=1).abs() < self.hp["d_margin"]
             if new.any():  # m ← 0.9·m + 0.1·mean(p of kept)
                 mean = p[new].mean(0)
                 self.m = mean if self.m is None else 0.9 * self.m + 0.1 * mean
-        if keep is None:
-            return new
-        return keep & new
+        return new if keep is None else keep & new
 
     def context(self, x):
-        """What ℓ_i reads besides its logits: DeYO's softmax on the patch-shuffled x′ (an extra
-        forward, batched, without gradient); None for the other methods."""
+        """What ℓ_i reads besides its logits: DeYO's softmax on the patch-shuffled x′ (an
+        extra forward, batched, without gradient); None for the other methods."""
         if self.base not in SHUFFLED:
             return None
         with torch.no_grad():
@@ -527,35 +497,31 @@ class DPTTA(nn.Module):
     # -- one step shared by every method ---------------------------------------
 
     def _mean_grad(self, x, ctx, p, keep):
-        """Plain TTA: (logits, mean gradient of the kept samples' losses or None, kept), one
-        batched backward. A non-finite sample would poison every gradient (0·NaN = NaN,
-        whatever its weight): it is dropped, counted, and the rest forwarded again."""
+        """Plain TTA, one batched backward: (logits, mean gradient of the kept losses or
+        None, kept). A non-finite sample would poison every gradient (0·NaN = NaN, whatever
+        its weight): it is dropped, counted, and the rest forwarded again without it."""
         p = {n: t.requires_grad_() for n, t in p.items()}
-        logits = functional_call(self.model, p, (x,))
-        keep = self._keep(logits, ctx, keep)
+        logits = z = functional_call(self.model, p, (x,))
+        keep = use = self._keep(logits, ctx, keep)
         finite = torch.isfinite(logits).all(-1)
-        z, c, use = logits, ctx, keep  # what the loss sees
         if not finite.all():
             self.tally["nonfinite"] = self.tally.get("nonfinite", 0) + (~finite).sum()
             keep = finite if keep is None else keep & finite
             if keep.any():
-                z = functional_call(self.model, p, (x[finite],))
-                c = None if ctx is None else ctx[finite]
-                use = keep[finite]
+                z, use = functional_call(self.model, p, (x[finite],)), keep[finite]
+                ctx = None if ctx is None else ctx[finite]
         if keep is not None and not keep.any():
             return logits, None, keep
-        losses = self.loss(z, c)
-        if use is not None:
-            losses = losses[use]
+        losses = self.loss(z, ctx)
+        losses = losses if use is None else losses[use]
         g = torch.autograd.grad(losses.mean(), list(p.values()))
         return logits, {n: at_least_fp32(t) for n, t in zip(p, g)}, keep
 
     def _grad(self, x, ctx, shift=None, keep=None, clip=True):
         """(logits, Δ, kept) at θ + shift: Δ averages the kept samples' (clipped, noised)
         gradients, None if none is kept. clip=False: the plain mean gradient."""
-        p = {n: t.detach() for n, t in self.params.items()}
-        if shift is not None:
-            p = {n: t + shift[n] for n, t in p.items()}
+        p = {n: t.detach() if shift is None else (t + shift[n]).detach()
+             for n, t in self.params.items()}
         if self.clip is None or not clip:
             return self._mean_grad(x, ctx, p, keep)
         g, logits = per_sample_grads(self.model, p, self.loss, x, ctx, chunk_size=self.chunk_size)
@@ -572,7 +538,7 @@ class DPTTA(nn.Module):
                 return self.model(x)
         ctx = self.context(x)
         if self.base == "sar" and not self.private:
-            # SAM: ascend along the plain mean gradient (also clip-only, as the paper), take
+            # SAM: ascend along the plain mean gradient (clip-only too, as the paper), take
             # the gradient at θ + ρ·g/‖g‖ on the samples still kept there, step from θ
             logits, g, keep = self._grad(x, ctx, clip=False)
             if g is not None:
@@ -580,7 +546,7 @@ class DPTTA(nn.Module):
             if g is not None:
                 self._step(g)
                 self._recover(self.ent(shifted.detach())[keep].mean())
-        elif self.base == "sar":  # DP-SAT: ascend along the previous *private* gradient (free)
+        elif self.base == "sar":  # DP-SAT: ascend along the previous *private* gradient
             shift = None if self.g_prev is None else self._ascent(self.g_prev)
             logits, g, _ = self._grad(x, ctx, shift)
             if shift is not None:  # predict with θ itself, not θ + shift
@@ -590,21 +556,20 @@ class DPTTA(nn.Module):
             self._step(g)
         else:
             logits, g, _ = self._grad(x, ctx)
-            if g is not None:  # a batch in which no sample survives the filters makes no step
+            if g is not None:  # a batch in which no sample survives the filters: no step
                 self._step(g)
         return logits.detach()
 
     def _ascent(self, g):
-        # ε_SAM = ρ·g/‖g‖
+        # SAM's perturbation ρ·g/‖g‖
         norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt()
         return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}
 
     def _step(self, g):
-        if self.fisher is not None:  # data-free: θ, θ0 and F are public, so outside the clip
-            for n in g:  # ∇ λ·Σ F(θ − θ0)² = 2λF(θ − θ0)
-                drift = self.params[n].detach() - self.theta0[n]
-                g[n] = g[n] + 2 * self.hp["fisher_lambda"] * self.fisher[n] * drift
         for n, p in self.params.items():
+            if self.fisher is not None:  # data-free (θ, θ0, public F): outside the clip
+                drift = p.detach() - self.theta0[n]  # ∇ λ·Σ F(θ − θ0)² = 2λF(θ − θ0)
+                g[n] = g[n] + 2 * self.hp["fisher_lambda"] * self.fisher[n] * drift
             p.grad = g[n].to(p.dtype)
         self.opt.step()
 
@@ -1082,6 +1047,21 @@ def print_header(args, adapter, ledger, device, amp, hp_note):
               f"{len(adapter.params)} tensors, {n:,} scalars{hp}")
 
 
+def run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift, unreadable,
+               images, wall):
+    """The JSON line of a finished run."""
+    return {
+        "mode": "adapt", "run_id": run_id, "key": key, "settings": dict(vars(args)),
+        "method": args.method, "eps": args.eps, "clip": adapter.clip, "lr": adapter.lr,
+        "hp": args.hp, "setting": args.setting, "seed": args.seed, "hparam_source": hp_note,
+        "smoke": bool(args.synthetic), "device": args.device, "dtype": key["dtype"],
+        "versions": {"torch": torch.__version__, "timm": timm.__version__}, "ledger": ledger,
+        "accuracy": accuracy, "error": {c: 100 - a for c, a in accuracy.items()},
+        "drift": drift, "mean": sum(accuracy.values()) / len(accuracy), "images": images,
+        "skipped": len(unreadable), "unreadable": unreadable, "images_per_s": images / wall,
+        "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
 def _stop(signum, frame):
     STOP.append(signum)
     raise KeyboardInterrupt
@@ -1095,7 +1075,7 @@ def theta_is_finite(adapter):
     return bool(torch.isfinite(torch.cat([p.detach().flatten() for p in adapter.params.values()])).all())
 
 
-def stream_through(adapter, loader, c, *, device, amp, lookup, log_every):
+def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every):
     """One corruption through the adapter: (correct, scored, unreadable paths)."""
     correct, seen, unreadable, t0 = torch.zeros((), dtype=torch.long, device=device), 0, [], time.time()
     for i, (x, y, bad) in enumerate(loader):
@@ -1109,7 +1089,7 @@ def stream_through(adapter, loader, c, *, device, amp, lookup, log_every):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if lookup is not None:  # ImageNet-1k index -> position among the classes scored
             y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
-        with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+        with autocast:
             logits = adapter(x)
         if adapter.base != "source" and not theta_is_finite(adapter):
             print(f"dptta: error: θ is not finite after batch {i + 1} of {c} (lr or clip too "
@@ -1198,9 +1178,12 @@ def adapt_and_record(args, key, out, device, amp, hp_note):
                         clip=args.clip, lr=args.lr, seed=args.seed, **hp)
     except ValueError as e:
         fail(str(e))
+    # bf16 autocast for forward and backward on CUDA (on CPU it is slow); clip, noise and
+    # the step stay in fp32 inside the adapter
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=amp)
     if args.fisher_data and adapter.base == "eata":
         loader = image_stream(fisher_set, args.batch_size, seed=args.seed, workers=args.workers)
-        with torch.autocast(device.type, torch.bfloat16, enabled=amp):
+        with autocast:
             adapter.fisher = fisher_information(
                 model, adapter.params, (x.to(device) for x, _, _ in loader if x is not None), fisher_size)
     elif args.fisher_data:
@@ -1219,7 +1202,7 @@ def adapt_and_record(args, key, out, device, amp, hp_note):
         loader = image_stream(ds, args.batch_size, seed=args.seed, workers=args.workers,
                               limit=args.limit, pin_memory=device.type == "cuda")
         t0 = time.time()
-        correct, seen, bad = stream_through(adapter, loader, c, device=device, amp=amp,
+        correct, seen, bad = stream_through(adapter, loader, c, device=device, autocast=autocast,
                                             lookup=lookup, log_every=args.log_every)
         accuracy[c] = 100 * correct / max(seen, 1)
         images, unreadable = images + seen, unreadable + bad
@@ -1238,15 +1221,8 @@ def adapt_and_record(args, key, out, device, amp, hp_note):
     print(" | ".join(f"{a:8.1f}" for a in accuracy.values()) + f" | {mean:8.1f}")
     if unreadable:
         print(f"{len(unreadable)} unreadable image(s) skipped in all")
-    append_jsonl(out, {
-        "mode": "adapt", "run_id": run_id, "key": key, "settings": dict(vars(args)),
-        "method": args.method, "eps": args.eps, "clip": adapter.clip, "lr": adapter.lr,
-        "hp": args.hp, "setting": args.setting, "seed": args.seed, "hparam_source": hp_note,
-        "smoke": bool(args.synthetic), "device": args.device, "dtype": key["dtype"],
-        "versions": {"torch": torch.__version__, "timm": timm.__version__}, "ledger": ledger,
-        "accuracy": accuracy, "error": {c: 100 - a for c, a in accuracy.items()}, "drift": drift,
-        "mean": mean, "images": images, "skipped": len(unreadable), "unreadable": unreadable,
-        "images_per_s": images / wall, "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    append_jsonl(out, run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift,
+                                 unreadable, images, wall))
     print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | appended to {args.out}")
     return 0
 
@@ -1366,9 +1342,10 @@ def benchmark(args):
     data_config = timm.data.resolve_data_config({}, model=model)
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(B, *data_config["input_size"], generator=gen).to(device)
-    # random weights: open every filter so that each step is a full one
-    wide_open = dict(e_margin=math.inf, d_margin=math.inf, deyo_margin=math.inf,
-                     plpd_threshold=-math.inf, reset_ema=-math.inf)
+    # random weights: open every filter so that each step is a full one (H <= ln K always,
+    # so margins of 1.01·ln K keep every sample; PLPD >= −1; SAR never resets)
+    wide_open = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
+                     reset_ema=-math.inf)
     variants = {"source": DPTTA(model, "source")}
     try:
         for b in BASES:
@@ -1397,6 +1374,8 @@ def benchmark(args):
                 torch.cuda.synchronize()
             times[k].append(time.perf_counter() - t)
     fallbacks = sum(VMAP_FALLBACKS.values()) - fallbacks_before
+    for k, a in variants.items():  # the variants share the model: a NaN would time NaN steps
+        require(a.base == "source" or theta_is_finite(a), f"--benchmark: θ is not finite after {k}")
     print(f"benchmark | {name} | batch {B} | {device.type} | {'bf16' if amp else 'fp32'} | "
           f"median of {args.rounds} interleaved rounds")
     print(f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}"
@@ -1410,8 +1389,8 @@ def benchmark(args):
             psg = B * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20
         rows.append({"variant": k, "ms": ms, "images_per_s": 1000 * B / ms, "ratio": ms / plain,
                      "peak_mib": peak[k], "per_sample_grad_mib": psg})
-        print(f"{k:<16}{ms:>10.1f}{1000 * B / ms:>9.1f}{ms / plain:>8.2f}{peak[k]:>10.1f}"
-              f"{psg:>18.2f}")
+        print(f"{k:<16}{ms:>10.1f}{1000 * B / ms:>9.1f}{ms / plain:>8.2f}"
+              f"{'-' if math.isnan(peak[k]) else f'{peak[k]:.1f}':>10}{psg:>18.2f}")
     ops = f": {', '.join(VMAP_FALLBACKS)}" if fallbacks else ""
     print(f"vmap fallbacks: {fallbacks} (passes that ran an op once per sample; must be 0){ops}")
     with tempfile.TemporaryDirectory(prefix="dptta-bench-") as tree:
