@@ -846,8 +846,8 @@ def parse_hp(items):
         except ValueError:
             fail(f"--hp {item}: {value!r} is not a {HP_TYPES[name].__name__}")
         require(math.isfinite(hp[name]), f"--hp {item}: must be finite")
-    for name in ("patch_grid", "fisher_size", "num_classes"):
-        require(hp.get(name, 2) >= 1 + (name == "num_classes"), f"--hp {name} is too small")
+    for name, low in (("patch_grid", 1), ("fisher_size", 1), ("num_classes", 2)):
+        require(hp.get(name, low) >= low, f"--hp {name} must be >= {low}, got {hp.get(name)}")
     return hp
 
 
@@ -858,10 +858,12 @@ def check_common(args):
     for flag in ("clip", "lr"):
         v = getattr(args, flag)
         require(v is None or 0 < v < math.inf, f"--{flag} must be finite and > 0, got {v}")
-    for flag, low in (("batch_size", 1), ("rounds", 1), ("trials", 100), ("workers", 0)):
+    for flag, low in (("batch_size", 1), ("rounds", 1), ("trials", 100), ("workers", 0),
+                      ("seed", 0)):
         v = getattr(args, flag)
         require(v is None or v >= low, f"--{flag.replace('_', '-')} must be >= {low}, got {v}")
     require(args.model is None or timm.is_model(args.model), f"unknown timm model {args.model!r}")
+    require(args.seed < 2 ** 63, f"--seed must be < 2**63, got {args.seed}")
     if args.device == "cuda":
         require(torch.cuda.is_available(), "--device cuda, but no CUDA device is visible")
     if args.device == "auto":
@@ -978,7 +980,7 @@ def read_jsonl(path, flag):
     """The records of a JSONL file; a line that is not JSON is one line of error, exit 2."""
     require(os.path.isfile(path), f"{flag} {path} does not exist")
     records = []
-    with open(path) as f:
+    with open(path, errors="replace") as f:  # a binary file fails below, as one line
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
