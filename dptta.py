@@ -1550,4 +1550,7 @@ def audit_cli(args):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # during start-up, before the run's own handlers: nothing written
+        sys.exit(130)

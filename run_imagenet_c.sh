@@ -36,6 +36,8 @@ for arg in "$@"; do
     *) echo "run_imagenet_c.sh: unknown argument $arg (see the header)" >&2; exit 2 ;;
   esac
 done
+trap 'exit 130' INT   # until the workers exist: stop after the command at hand
+trap 'exit 143' TERM
 if [ $tuned = 1 ] && [ ! -f "$TUNED" ]; then
   echo "run_imagenet_c.sh: $TUNED missing: run the tune stage first" >&2; exit 2
 fi
