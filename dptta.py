@@ -196,11 +196,11 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     def batched_pass():
         grads, logits, step = [], [], chunk_size or len(x)
         for s in range(0, len(x), step):
-            cs = None if ctx is None else ctx[s:s + step]
+            xs, cs = x[s:s + step], None if ctx is None else ctx[s:s + step]
             # [b, *shape] views of θ: 38k scalars a sample for ViT-B/16, nothing copied
-            theta = {n: p.detach().expand(len(x[s:s + step]), *p.shape).requires_grad_()
+            theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
                      for n, p in params.items()}
-            losses, z = vmap(loss_one, in_dims)(theta, x[s:s + step], cs)
+            losses, z = vmap(loss_one, in_dims)(theta, xs, cs)
             grads.append(torch.autograd.grad(losses.sum(), list(theta.values()),
                                              allow_unused=True, materialize_grads=True))
             logits.append(z.detach())
@@ -1218,13 +1218,14 @@ def adapt_and_record(args, key, out, device, amp, hp_note):
         print(f"{c:<18} top-1 {accuracy[c]:5.1f}% | {seen} images | {rate(seen, time.time() - t0)} | "
               f"‖θ−θ0‖ {drift.get(c, 0.0):.4f}{note}", flush=True)
     wall = time.time() - start
-    mean = sum(accuracy.values()) / len(accuracy)
+    record = run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift,
+                        unreadable, images, wall)
+    mean = record["mean"]
     print("\n" + " | ".join(f"{c[:8]:>8}" for c in accuracy) + " |     mean")
     print(" | ".join(f"{a:8.1f}" for a in accuracy.values()) + f" | {mean:8.1f}")
     if unreadable:
         print(f"{len(unreadable)} unreadable image(s) skipped in all")
-    append_jsonl(out, run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift,
-                                 unreadable, images, wall))
+    append_jsonl(out, record)
     print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | appended to {args.out}")
     return 0
 
