@@ -3,29 +3,18 @@
 Reading guide: Part I (to the end of class DPTTA) is DP-TTA itself, to copy as one block;
 Part II runs it on ImageNet-C from the command line; the Appendix holds the tools.
 
-Test-time adaptation (Tent, EATA, SAR, DeYO, COME) updates the affine parameters of a
-model's normalization layers on unlabeled test batches, and the updates leak the test
-data. Here every update can be private, with DP-SGD's recipe:
+Test-time adaptation (Tent, EATA, SAR, DeYO, COME) updates a model's normalization layers
+(θ) on unlabeled test batches, leaking the test data. DP-TTA makes each update private:
 
     g_i = ∇θ ℓ(x_i)                                    one sample's own loss
     Δ   = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B   clip, sum, noise, average
     θ  ← SGD-momentum(θ, Δ)                             post-processing
 
-Private: each test image, against replacing it by any other (change-one: the clipped sum
-moves by at most 2C). A stream shows every image once, so the whole stream is μ-GDP with
-μ = 2/σ (see gdp_delta). Released: θ after every step and every prediction for *other*
-images (an image's own prediction is computed from it, so it goes back to its owner).
-
-    python dptta.py --synthetic 16 --method dp_tent --eps 5          # smoke run, CPU, ~1 min
-    python dptta.py --data /data/ImageNet-C --method dp_deyo --eps 5  # the paper, on a GPU
-    python dptta.py --benchmark | --audit | --summarize results.jsonl  # the tools
-As a library:
-    adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)
-    logits = adapter(x)   # predicts with the current θ, then takes a private step
+    python dptta.py --synthetic 16 --method dp_tent --eps 5     # a smoke run, CPU, ~1 min
+    adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)  # as a library
 """
 # ============================================================================
 # Part I: DP-TTA (needs torch, numpy and scipy; nothing from the parts below)
-import collections
 import contextlib
 import math
 import re
@@ -35,13 +24,13 @@ from functools import partial
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from scipy import optimize, special
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# ----------------------------------------------------------------------------
-# Privacy accounting: one pass, μ-GDP with μ = 2/σ
 
+# -- Privacy accounting: one pass, μ-GDP with μ = 2/σ ------------------------
 
 def _check_privacy(eps=None, delta=None, sigma=None):
     if eps is not None and not eps > 0:  # `not >` also catches NaN
@@ -53,24 +42,18 @@ def _check_privacy(eps=None, delta=None, sigma=None):
 
 
 def _log_gdp_delta(eps, sigma):
-    # log δ = log[Φ(a) − e^ε Φ(b)] = log Φ(a) + log(1 − e^{ε + log Φ(b) − log Φ(a)}), in log
-    # space so that neither Φ underflows (large ε) nor the difference cancels (small δ).
+    # log δ = log[Φ(a) − e^ε Φ(b)] = log Φ(a) + log(1 − e^{ε + log Φ(b) − log Φ(a)}): in logs,
+    # no Φ underflows (large ε) and the difference does not cancel (small δ)
     a = special.log_ndtr(-sigma * eps / 2 + 1 / sigma)
     b = eps + special.log_ndtr(-sigma * eps / 2 - 1 / sigma)
     return a + np.log(-np.expm1(b - a))
 
 
 def gdp_delta(*, eps, sigma):
-    """δ(ε) of the Gaussian mechanism with noise σ·C on a sum of sensitivity 2C.
-
-    Unit: one test sample; neighbours: streams that differ by replacing it (one clipped
-    gradient moves by at most 2C). A step is μ-GDP with μ = 2C/(σC) = 2/σ (Dong, Roth &
-    Su 2022, Thm 2.7), and δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ) (Cor. 2.13).
-    No composition: a stream shows each sample in one step only; later steps read it
-    only through θ, post-processing of that release (adaptive steps on disjoint data
-    compose in parallel). NOT covered: a photo shown in k streams (ImageNet-C: 15
-    corruptions) is μ√k-GDP: use sigma/√k here, or calibrate_sigma(..., repeats=k).
-    """
+    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ) for noise σ·C on a sum of sensitivity 2C:
+    replacing one image moves its clipped gradient by <= 2C, so a step is μ-GDP, μ = 2/σ (Dong,
+    Roth & Su 2022, Thm 2.7, Cor. 2.13), and so is the stream: an image is in one step, later
+    steps see it only through θ. A photo in k streams is μ√k-GDP: see calibrate_sigma."""
     _check_privacy(eps=eps, sigma=sigma)
     if sigma == 0:
         return 1.0
@@ -80,31 +63,24 @@ def gdp_delta(*, eps, sigma):
 
 
 def _root(f, lo, hi):
-    """Where the decreasing f crosses 0, once [lo, hi] is widened to bracket it."""
+    """The smallest x with f(x) <= 0, f decreasing: bracket, brentq, never a hair short."""
     while f(lo) < 0:
         lo /= 2
     while f(hi) > 0:
         hi *= 2
-    return optimize.brentq(f, lo, hi, xtol=1e-14, rtol=1e-10)
+    x = optimize.brentq(f, lo, hi, xtol=1e-14, rtol=1e-10)
+    while f(x) > 0:
+        x *= 1 + 1e-10
+    return float(x)
 
 
 def calibrate_sigma(*, eps, delta, repeats=1):
     """The smallest σ with gdp_delta(eps, σ/√repeats) <= delta; 0.0 for eps = inf.
-
-    repeats = k: the unit is in k releases (a photo in k streams); k releases of
-    (2/σ)-GDP compose to (2√k/σ)-GDP (Dong, Roth & Su, Cor. 3.3), hence σ·√k.
-    """
+    repeats = k releases of (2/σ)-GDP compose to (2√k/σ)-GDP (Dong, Roth & Su, Cor. 3.3)."""
     _check_privacy(eps=eps, delta=delta)
     if math.isinf(eps):
         return 0.0
-
-    def excess(s):  # log δ(σ) − log δ_target, decreasing in σ
-        return _log_gdp_delta(eps, s) - math.log(delta)
-
-    sigma = _root(excess, 0.1, 1.0)
-    while excess(sigma) > 0:  # brentq may stop a hair on the wrong side: never under-noise
-        sigma *= 1 + 1e-10
-    return float(sigma) * math.sqrt(repeats)
+    return _root(lambda s: _log_gdp_delta(eps, s) - math.log(delta), 0.1, 1.0) * math.sqrt(repeats)
 
 
 def gdp_epsilon(*, sigma, delta):
@@ -112,24 +88,21 @@ def gdp_epsilon(*, sigma, delta):
     _check_privacy(delta=delta, sigma=sigma)
     if sigma == 0:
         return math.inf
-
-    def excess(e):  # log δ(ε) − log δ_target, decreasing in ε
-        return _log_gdp_delta(e, sigma) - math.log(delta)
-
-    return 0.0 if excess(0.0) <= 0 else float(_root(excess, 0.0, 1.0))
+    if _log_gdp_delta(0.0, sigma) <= math.log(delta):
+        return 0.0
+    return _root(lambda e: _log_gdp_delta(e, sigma) - math.log(delta), 0.0, 1.0)
 
 
-# ----------------------------------------------------------------------------
-# Per-sample gradients, clipping and noise
+# -- Per-sample gradients, clipping and noise --------------------------------
 
 # LayerNorm includes timm's LayerNorm2d (ConvNeXt); _BatchNorm, timm's BatchNormAct2d
 BATCH_NORM = nn.modules.batchnorm._BatchNorm
 NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM)
+VMAP_FALLBACKS = {}  # op -> passes in which vmap ran it once per sample
 
 
 def _trunk_cut(model):
-    """Name of the first module of the trunk's top: ViT's last 3 blocks, a staged net's
-    last stage (ConvNeXt's `stages`), or a ResNet's last `layerN`."""
+    """The first module of the top: ViT's last 3 blocks, the last stage or ResNet layerN."""
     layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -143,55 +116,35 @@ def _trunk_cut(model):
 
 
 def adaptable_params(model, *, skip_top=False, private=True):
-    """The affine parameters of the normalization layers to adapt, by name.
-
-    skip_top (SAR, DeYO): only the norms before the trunk's top (ViT-B/16: blocks 0-8).
-    private (DP, and any per-sample clip) refuses BatchNorm: BN normalizes a sample with
-    statistics of the whole batch, so its gradient depends on the others and its clipped
-    norm no longer bounds what it can change. The originals adapt BN as Tent does.
-    """
+    """{name: affine parameter of a normalization layer}; skip_top (SAR, DeYO): only below
+    the trunk's top (ViT-B/16: blocks 0-8). private (per-sample clip) refuses BatchNorm: with
+    the batch's statistics, a gradient is not the sample's own and its clip bounds nothing."""
     bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
     if private and bn:
-        raise ValueError(
-            f"per-sample gradients (dp_ methods, clip) need samples that do not mix, but "
-            f"BatchNorm ({bn[0]}, ...) mixes the samples of a batch; use a LayerNorm/GroupNorm "
-            "model (ViT, ConvNeXt, ResNet-GN), or the original method without clip")
+        raise ValueError(f"BatchNorm ({bn[0]}, ...) mixes the samples of a batch: no per-sample "
+                         "gradients (dp_, clip); use LayerNorm/GroupNorm, or no clip")
     cut = _trunk_cut(model) if skip_top else None
-    params, past_cut = {}, False
-    for name, module in model.named_modules():
-        past_cut = past_cut or name == cut
-        if isinstance(module, NORMS) and not past_cut:
-            for pname, p in module.named_parameters(recurse=False):
-                params[f"{name}.{pname}"] = p
+    modules = list(model.named_modules())
+    top = [name for name, _ in modules].index(cut) if cut else len(modules)
+    params = {f"{name}.{pname}": p for name, m in modules[:top] if isinstance(m, NORMS)
+              for pname, p in m.named_parameters(recurse=False)}  # the norms before the cut
     if not params:
         raise ValueError("the model has no normalization-layer affine parameters to adapt")
     return params
 
 
-VMAP_FALLBACKS = collections.Counter()  # op -> passes in which vmap ran it once per sample
-
-
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
-    """g_i = ∇θ loss_fn(f_θ(x_i), ctx_i) for each sample i: ({name: [B, *shape]}, logits).
-
-    params: {name: tensor} to differentiate; every other parameter and buffer is frozen.
-    loss_fn maps logits [N, K] (and ctx [N, ...]) to per-sample losses [N].
-    How: sample i gets its own copy θ_i, and forward and loss run under vmap over (θ_i,
-    x_i, ctx_i), so ℓ_i sees sample i alone. Then ONE ordinary backward of Σ_j ℓ_j: only
-    ℓ_i touches θ_i, so ∂(Σ_j ℓ_j)/∂θ_i = g_i exactly, and every backward kernel (fused
-    attention's too, which has no vmap rule) runs once on the batch, not once per sample
-    as under vmap(grad(ℓ)). chunk_size: samples per pass (None = the whole batch).
-    """
+    """g_i = ∇θ loss_fn(f_θ(x_i), ctx_i) for every sample i: ({name: [B, *shape]}, logits).
+    Sample i gets its own view θ_i of θ; the forward runs under vmap, so ℓ_i sees x_i alone.
+    Then ONE plain backward of Σ_j ℓ_j: only ℓ_i touches θ_i, so its gradient is g_i exactly,
+    and every backward kernel (fused attention's too: no vmap rule) runs once on the batch,
+    not once per sample as under vmap(grad(ℓ)). The model outside params is frozen."""
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
 
     def loss_one(theta_i, xi, ci):  # under vmap: one sample, its own θ_i
         logits = functional_call(model, (theta_i, frozen), (xi[None],))
         return loss_fn(logits, None if ci is None else ci[None])[0], logits[0]
-
-    in_dims = (0,                            # θ_i: every sample its own copy
-               0,                            # x: one image per call
-               None if ctx is None else 0)   # per-sample context, e.g. DeYO's shuffled probs
 
     def batched_pass():
         grads, logits, step = [], [], chunk_size or len(x)
@@ -200,25 +153,22 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
             # [b, *shape] views of θ: 38k scalars a sample for ViT-B/16, nothing copied
             theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
                      for n, p in params.items()}
-            losses, z = vmap(loss_one, in_dims)(theta, xs, cs)
+            losses, z = vmap(loss_one, (0, 0, None if cs is None else 0))(theta, xs, cs)
             grads.append(torch.autograd.grad(losses.sum(), list(theta.values()),
                                              allow_unused=True, materialize_grads=True))
             logits.append(z.detach())
-        return {n: torch.cat([g[k] for g in grads]) for k, n in enumerate(params)}, torch.cat(logits)
+        g = {n: torch.cat([chunk[k] for chunk in grads]) for k, n in enumerate(params)}
+        return g, torch.cat(logits)
 
-    # CPU's fused attention kernel has no vmap rule even for its forward; the math backend
-    # (matmuls, softmax) batches. CUDA's flash/efficient/cuDNN forwards batch as they are.
-    attention = contextlib.nullcontext()
-    if x.device.type == "cpu":
-        attention = sdpa_kernel(SDPBackend.MATH)
-    with attention:
+    # CPU's fused attention has no vmap rule, its math backend has; CUDA's kernels batch as is
+    cpu = x.device.type == "cpu"
+    with sdpa_kernel(SDPBackend.MATH) if cpu else contextlib.nullcontext():
         return _without_fallback(batched_pass)
 
 
 def _without_fallback(fn):
-    """fn() with vmap's per-sample fallback made an error; if an op needs it anyway, warn
-    once per op with what to do, count it in VMAP_FALLBACKS, and run fn() allowing it
-    (exact but slow). A caller that disabled the fallback itself gets the error."""
+    """fn() with vmap's per-sample fallback made an error. An op that needs it anyway is warned
+    about once, counted, and run with it (exact, slow), unless the caller had forbidden it."""
     functorch = torch._C._functorch
     allowed = functorch._is_vmap_fallback_enabled()
     functorch._set_vmap_fallback_enabled(False)
@@ -230,16 +180,11 @@ def _without_fallback(fn):
             raise
     finally:
         functorch._set_vmap_fallback_enabled(allowed)
-    VMAP_FALLBACKS[op[1]] += 1
-    if VMAP_FALLBACKS[op[1]] == 1:
+    if op[1] not in VMAP_FALLBACKS:
         warnings.warn(f"per_sample_grads: {op[1]} has no vmap batching rule and runs once per "
-                      "sample (exact, slow); use another op, e.g. non-fused attention (timm: "
-                      "fused_attn=False)", stacklevel=3)
-    functorch._set_vmap_fallback_warning_enabled(False)  # warned above, not at every call
-    try:
-        return fn()
-    finally:
-        functorch._set_vmap_fallback_warning_enabled(True)
+                      "sample (exact, slow); use another op (timm: fused_attn=False)", stacklevel=3)
+    VMAP_FALLBACKS[op[1]] = VMAP_FALLBACKS.get(op[1], 0) + 1
+    return fn()
 
 
 def at_least_fp32(t):  # bf16/fp16 -> fp32, fp64 stays fp64
@@ -248,40 +193,29 @@ def at_least_fp32(t):  # bf16/fp16 -> fp32, fp64 stays fp64
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
     """Δ = (Σ_i g_i·min(1, C/‖g_i‖₂) + N(0, σ²C²I)) / B, the norm over all tensors jointly.
-
-    The noise is calibrated to the *sum* (sensitivity 2C) and only then divided by B:
-    σC/B on a mean would be B times too small. All in fp32 or better, also under bf16
-    autocast: a rounded clip factor can push a norm over C, and bf16 noise is too coarse.
-    A non-finite g_i counts as zero (tally["nonfinite"]): the decision reads sample i
-    alone and 0 has norm <= C, so the sensitivity stays 2C. The tally is not private.
-    """
-    device = next(iter(per_sample_grads.values())).device
-    with torch.autocast(device.type, enabled=False):
-        g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
-        B = next(iter(g.values())).shape[0]
-        # ‖g_i‖₂ over every adapted tensor together
-        norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
-        finite = torch.isfinite(norms)
-        # min(1, C/‖g_i‖), and 0 for a non-finite g_i
-        factor = torch.where(finite, (clip / norms.clamp(min=1e-12)).clamp(max=1.0), 0.0)
-        if tally is not None:
-            tally["nonfinite"] = tally.get("nonfinite", 0) + (~finite).sum()
-        out = {}
-        for name, t in g.items():
-            per_sample = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector broadcast over t
-            t = torch.where(finite.view(per_sample), t, 0.0)  # NaN·0 is NaN: select first
-            total = (factor.view(per_sample) * t).sum(0)
-            if sigma > 0:  # fresh noise for every tensor, N(0, σ²C²) per coordinate
-                total = total + sigma * clip * torch.randn(
-                    total.shape, generator=generator, device=total.device, dtype=total.dtype)
-            out[name] = total / B
-        return out
+    The noise fits the *sum* (sensitivity 2C); only then divide by B. In fp32 or better: a bf16
+    clip factor can push a norm over C. A non-finite g_i counts as 0 (norm <= C, decided on
+    sample i alone: the sensitivity stays 2C) and in tally["nonfinite"] (not private)."""
+    g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
+    # ‖g_i‖₂ over every adapted tensor together
+    norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
+    finite = torch.isfinite(norms)
+    factor = (clip / norms.clamp(min=1e-12)).clamp(max=1.0)  # min(1, C/‖g_i‖)
+    if tally is not None:
+        tally["nonfinite"] = tally.get("nonfinite", 0) + (~finite).sum()
+    out = {}
+    for name, t in g.items():
+        per_sample = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector broadcast over t
+        # a non-finite g_i is selected away, not scaled by 0: NaN·0 is NaN
+        total = torch.where(finite.view(per_sample), factor.view(per_sample) * t, 0.0).sum(0)
+        if sigma > 0:  # fresh noise for every tensor, N(0, σ²C²) per coordinate
+            total = total + sigma * clip * torch.empty_like(total).normal_(generator=generator)
+        out[name] = total / len(t)  # / B
+    return out
 
 
-# ----------------------------------------------------------------------------
-# Losses: per sample, logits [N, K] -> [N]. K = the number of classes: of the logits, or
-# num_classes (the paper's ImageNet-R runs score 200 classes but compute with K = 1000)
-
+# -- Losses: per sample, logits [N, K] -> [N] --------------------------------
+# K: classes, of the logits or num_classes (the paper's ImageNet-R runs: 200 scored, K = 1000)
 
 def entropy(logits):
     # H(p) = −Σ_k p_k log p_k, p = softmax(z)
@@ -298,8 +232,7 @@ def come_entropy(logits, num_classes=None):
     # b = e^z / (Σ e^z + K), u = K / (Σ e^z + K)  ⇔  [b, u] = softmax([z, ln K]), overflow-free
     log_k = torch.full_like(z[..., :1], math.log(num_classes or z.shape[-1]))
     q = torch.cat([z, log_k], -1).softmax(-1) + 1e-7
-    # −Σ_{j=1}^{K+1} q_j log q_j
-    return -(q * q.log()).sum(-1)
+    return -(q * q.log()).sum(-1)  # −Σ_{j=1}^{K+1} q_j log q_j
 
 
 def plpd(logits, shuffled_probs):
@@ -311,7 +244,7 @@ def plpd(logits, shuffled_probs):
 
 def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.4,
                         num_classes=None):
-    """EATA: exp(E0 − H)·H; DeYO (given shuffled probs): (exp(−(H − E0)) + exp(PLPD))·H."""
+    """EATA: exp(E0 − H)·H; DeYO (given shuffled probs): (exp(E0 − H) + exp(PLPD))·H."""
     H = ent(logits)
     # w = exp(E0 − H), E0 = e_margin·ln K, a constant weight (detached)
     w = torch.exp(e_margin * math.log(num_classes or logits.shape[-1]) - H.detach())
@@ -323,21 +256,17 @@ def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.
 def patch_shuffle(x, grid, generator):
     """x′: each image cut into grid×grid patches, shuffled with its own permutation.
     Pixels beyond the last full patch (H or W not divisible by grid) stay in place."""
-    B, ch, H, W = x.shape
-    h, w = H // grid, W // grid
-    core = x[..., :h * grid, :w * grid].reshape(B, ch, grid, h, grid, w)
-    patches = core.permute(0, 2, 4, 1, 3, 5).reshape(B, grid * grid, ch, h, w)
+    B, h, w = len(x), x.shape[-2] // grid, x.shape[-1] // grid
+    patches = F.unfold(x[..., :h * grid, :w * grid], (h, w), stride=(h, w))  # [B, ch·h·w, grid²]
     perm = torch.rand(B, grid * grid, generator=generator, device=x.device).argsort(1)
-    patches = patches[torch.arange(B, device=x.device)[:, None], perm]
-    patches = patches.reshape(B, grid, grid, ch, h, w).permute(0, 3, 1, 4, 2, 5)
+    patches = patches.gather(2, perm[:, None].expand_as(patches))  # patch j ← patch perm_j
     out = x.clone()
-    out[..., :h * grid, :w * grid] = patches.reshape(B, ch, h * grid, w * grid)
+    out[..., :h * grid, :w * grid] = F.fold(patches, (h * grid, w * grid), (h, w), stride=(h, w))
     return out
 
 
-# ----------------------------------------------------------------------------
-# The methods. H: softmax entropy; H_come: COME's opinion entropy; E0 = e_margin·ln K.
-#
+# -- The methods -------------------------------------------------------------
+# H: softmax entropy; H_come: COME's opinion entropy; E0 = e_margin·ln K.
 # method     per-sample loss ℓ_i          original's filter          norms  extra term
 # tent       H                            -                          all    -
 # come       H_come                       -                          all    -
@@ -346,7 +275,6 @@ def patch_shuffle(x, grid, generator):
 # deyo       (exp(E0 − H) + e^PLPD)·H     H < deyo_margin·ln K,      lower  x′ = patch shuffle
 #                                         PLPD > plpd_threshold             of x, for PLPD
 # deyo_come  as deyo, H_come for H        as deyo, with H_come       lower  as deyo
-#
 # dp_<method>: the same ℓ_i, clipped and noised, NO filter (whether sample i counts must
 # not depend on sample j, and a kept count is itself data); EATA's penalty is added after
 # the noise (it reads θ, θ0 and public F only); SAR ascends along the previous private
@@ -361,37 +289,9 @@ LOWER_NORMS = ("sar", "deyo", "deyo_come")
 SHUFFLED = ("deyo", "deyo_come")
 
 
-def _check_adapter(method, eps, delta, clip, lr, privacy_unit, repeats):
-    """DPTTA's arguments: one ValueError line for anything wrong."""
-    private, problem = method.startswith("dp_"), None
-    if private and eps is not None:
-        _check_privacy(eps=eps, delta=delta)
-    if private and eps is None:
-        problem = f"{method} needs eps (inf = clip only, no noise)"
-    elif not private and eps is not None:
-        problem = f"eps applies to the dp_ methods only, not {method}"
-    elif private and clip is None:
-        problem = f"{method} needs clip, the per-sample clip norm C"
-    elif clip is not None and not 0 < clip < math.inf:
-        problem = f"clip must be finite and > 0 (None = no clipping), got {clip}"
-    elif method != "source" and not (lr is not None and 0 < lr < math.inf):
-        problem = f"{method} needs a finite lr > 0, got {lr}"
-    elif privacy_unit not in ("image", "photo"):
-        problem = f"privacy_unit is 'image' or 'photo', got {privacy_unit!r}"
-    elif not (isinstance(repeats, int) and repeats >= 1):
-        problem = f"repeats (streams a photo is in) must be an int >= 1, got {repeats}"
-    if problem:
-        raise ValueError(problem)
-
-
 class DPTTA(nn.Module):
-    """Wraps a model; forward(x) predicts with the current θ, then adapts θ on x.
-
-    method: "source", an original (table above; clip=C: its clip-only variant) or
-    dp_<original>, (eps, delta)-DP (eps=inf: the recipe without noise). Each step is SGD
-    with momentum 0.9. privacy_unit="photo", repeats=k: σ·√k, so that a photo in k streams
-    is (eps, delta)-DP over all of them. fisher: EATA's {name: F} (None: no penalty).
-    """
+    """forward(x) predicts with the current θ, then adapts θ on x (SGD, momentum 0.9). method:
+    a table row, dp_<row> or "source"; privacy_unit="photo", repeats=k: σ·√k (k streams)."""
 
     def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
                  clip=None, lr=None, seed=0, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
@@ -400,14 +300,26 @@ class DPTTA(nn.Module):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        self.method, self.base = method, method.removeprefix("dp_")
-        self.private = method.startswith("dp_")
-        _check_adapter(method, eps, delta, clip, lr, privacy_unit, repeats)
-        self.eps, self.delta = (eps, delta) if self.private else (None, None)
-        self.privacy_unit, self.repeats, self.sigma = privacy_unit, repeats, 0.0
-        if self.private:  # unit "photo": a photo's k releases together are (ε, δ)-DP
-            k = repeats if privacy_unit == "photo" else 1
-            self.sigma = calibrate_sigma(eps=eps, delta=delta, repeats=k)
+        self.method, self.eps, self.privacy_unit, self.repeats = method, eps, privacy_unit, repeats
+        self.base = method.removeprefix("dp_")  # the original method
+        self.private = private = method.startswith("dp_")
+        if private and eps is not None:
+            _check_privacy(eps=eps, delta=delta)
+        for wrong, problem in (  # the first thing wrong, as one line
+                (private and eps is None, f"{method} needs eps (inf = clip only, no noise)"),
+                (not private and eps is not None, f"eps is for the dp_ methods only, not {method}"),
+                (private and clip is None, f"{method} needs clip, the per-sample clip norm C"),
+                (clip is not None and not 0 < clip < math.inf,
+                 f"clip must be finite and > 0 (None: no clip), got {clip}"),
+                (method != "source" and not 0 < (lr or 0) < math.inf,
+                 f"{method} needs a finite lr > 0, got {lr}"),
+                (privacy_unit not in ("image", "photo"), "privacy_unit is 'image' or 'photo'"),
+                (not (isinstance(repeats, int) and repeats >= 1), "repeats must be an int >= 1")):
+            if wrong:
+                raise ValueError(problem)
+        self.delta = delta if self.private else None
+        k = repeats if privacy_unit == "photo" else 1  # a photo's k releases are (ε, δ)-DP
+        self.sigma = calibrate_sigma(eps=eps, delta=delta, repeats=k) if self.private else 0.0
         self.clip = None if clip is None else float(clip)
         self.lr = None if lr is None else float(lr)
         self.model = model.eval()  # eval: no dropout, and nothing random under vmap
@@ -416,36 +328,29 @@ class DPTTA(nn.Module):
             return
         self.params = adaptable_params(model, skip_top=self.base in LOWER_NORMS,
                                        private=self.clip is not None)
+        if fisher is not None and set(fisher) != set(self.params):
+            raise ValueError("fisher must have one tensor per adapted parameter (see .params)")
+        for p in self.params.values():
+            p.requires_grad_(True)
         for m in model.modules():  # (originals only) Tent: BN normalizes with the test
             if isinstance(m, BATCH_NORM):  # batch's own statistics, no running averages
                 m.train()
                 m.track_running_stats = False
-        for p in self.params.values():
-            p.requires_grad_(True)
         self.hp = dict(e_margin=e_margin, d_margin=d_margin, rho=rho, reset_ema=reset_ema,
                        deyo_margin=deyo_margin, plpd_threshold=plpd_threshold,
                        patch_grid=patch_grid, fisher_lambda=fisher_lambda, num_classes=num_classes)
+        come = partial(come_entropy, num_classes=num_classes)
+        self.ent = come if self.base in COME_LOSS else entropy
         device = next(iter(self.params.values())).device
-        # the per-sample pass in chunks of 8 on CPU, where small chunks stay in cache (ViT-S/16,
-        # batch 32, 2 cores: 0.96x Tent's step; 16: 1.05x; whole batch: 1.42x); one on GPUs
-        self.chunk_size = chunk_size
-        if chunk_size == "auto":
-            self.chunk_size = 8 if device.type == "cpu" else None
-        self.ent = entropy
-        if self.base in COME_LOSS:
-            self.ent = partial(come_entropy, num_classes=num_classes)
-        self.loss = self._plain_loss  # ℓ_i(logits, ctx), the loss whose gradient is clipped
-        if self.base in WEIGHTED:
-            self.loss = partial(confidence_weighted, ent=self.ent, e_margin=e_margin,
-                                num_classes=num_classes)
-        # Noise and shuffles draw from their own seeded streams that reset() never rewinds:
-        # the same noise on two batches could be subtracted out.
+        # chunks of 8 on CPU stay in cache (ViT-S/16, 2 cores: 0.96x Tent's step; all 32: 1.42x)
+        cpu_chunk = 8 if device.type == "cpu" else None
+        self.chunk_size = cpu_chunk if chunk_size == "auto" else chunk_size
+        # own seeded streams, never rewound by reset(): the same noise twice could cancel out
         self.noise_gen = torch.Generator(device).manual_seed(seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed + 1)
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        if fisher is not None and set(fisher) != set(self.params):
-            raise ValueError("fisher must have one tensor per adapted parameter (see .params)")
-        self.fisher, self.tally = fisher, {}
+        self.fisher = fisher
+        self.tally = {}  # "nonfinite": samples left out for a non-finite loss or gradient
         self.reset()
 
     def reset(self):
@@ -456,26 +361,25 @@ class DPTTA(nn.Module):
             for n, p in self.params.items():
                 p.copy_(self.theta0[n])
         self.opt = torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
-        self.ema = None     # SAR: moving average of the loss, for recovery
-        self.m = None       # EATA: moving average of kept softmax vectors
-        self.g_prev = None  # DP-SAR: the previous private gradient, the ascent direction
+        self.ema = self.m = self.g_prev = None  # SAR's loss EMA, EATA's softmax EMA, DP-SAR's last Δ
 
     # -- the few places where methods differ besides ℓ_i ----------------------
-
-    def _plain_loss(self, logits, ctx):
-        return self.ent(logits)
+    def loss(self, logits, ctx):
+        """ℓ_i, the per-sample loss whose gradient is clipped: the table's second column."""
+        if self.base not in WEIGHTED:
+            return self.ent(logits)
+        return confidence_weighted(logits, ctx, ent=self.ent, e_margin=self.hp["e_margin"],
+                                   num_classes=self.hp["num_classes"])
 
     def _keep(self, logits, ctx, keep):
         """The original method's sample filter (None = keep all). DP variants have none."""
         if self.private or self.base in ("tent", "come"):
             return keep
+        margin = self.hp["deyo_margin" if self.base in SHUFFLED else "e_margin"]
         log_k = math.log(self.hp["num_classes"] or logits.shape[-1])
-        H = self.ent(logits.detach())
+        new = self.ent(logits.detach()) < margin * log_k  # reliable: H < margin·ln K
         if self.base in SHUFFLED:
-            new = H < self.hp["deyo_margin"] * log_k
             new &= plpd(logits, ctx) > self.hp["plpd_threshold"]
-        else:  # eata, sar: reliable samples, H < E0
-            new = H < self.hp["e_margin"] * log_k
         if self.base == "eata":  # redundancy: skip samples that look like the recent average
             p = logits.detach().float().softmax(-1)
             if self.m is not None:
@@ -486,8 +390,7 @@ class DPTTA(nn.Module):
         return new if keep is None else keep & new
 
     def context(self, x):
-        """What ℓ_i reads besides its logits: DeYO's softmax on the patch-shuffled x′ (an
-        extra forward, batched, without gradient); None for the other methods."""
+        """What ℓ_i reads besides its logits: DeYO's softmax on the patch-shuffled x′, or None."""
         if self.base not in SHUFFLED:
             return None
         with torch.no_grad():
@@ -495,11 +398,22 @@ class DPTTA(nn.Module):
             return self.model(xs).float().softmax(-1)
 
     # -- one step shared by every method ---------------------------------------
-
-    def _mean_grad(self, x, ctx, p, keep):
-        """Plain TTA, one batched backward: (logits, mean gradient of the kept losses or
-        None, kept). A non-finite sample would poison every gradient (0·NaN = NaN, whatever
-        its weight): it is dropped, counted, and the rest forwarded again without it."""
+    def _grad(self, x, ctx, shift=None, keep=None, clip=True):
+        """(logits, Δ, kept) at θ + shift: Δ averages the kept samples' clipped and noised
+        gradients (clip=False or no clip: their plain gradients); None if none is kept."""
+        p = {n: (t if shift is None else t + shift[n]).detach() for n, t in self.params.items()}
+        if self.clip is not None and clip:
+            g, logits = per_sample_grads(self.model, p, self.loss, x, ctx,
+                                         chunk_size=self.chunk_size)
+            keep = self._keep(logits, ctx, keep)
+            if keep is not None and not keep.any():
+                return logits, None, keep
+            if keep is not None:  # originals only: the sample set (and B) is data dependent
+                g = {n: t[keep] for n, t in g.items()}
+            g = clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally)
+            return logits, g, keep
+        # Plain TTA, one batched backward. A non-finite sample would poison every gradient
+        # (0·NaN = NaN, whatever its weight): drop it, count it, forward the rest again.
         p = {n: t.requires_grad_() for n, t in p.items()}
         logits = z = functional_call(self.model, p, (x,))
         keep = use = self._keep(logits, ctx, keep)
@@ -517,21 +431,6 @@ class DPTTA(nn.Module):
         g = torch.autograd.grad(losses.mean(), list(p.values()))
         return logits, {n: at_least_fp32(t) for n, t in zip(p, g)}, keep
 
-    def _grad(self, x, ctx, shift=None, keep=None, clip=True):
-        """(logits, Δ, kept) at θ + shift: Δ averages the kept samples' (clipped, noised)
-        gradients, None if none is kept. clip=False: the plain mean gradient."""
-        p = {n: t.detach() if shift is None else (t + shift[n]).detach()
-             for n, t in self.params.items()}
-        if self.clip is None or not clip:
-            return self._mean_grad(x, ctx, p, keep)
-        g, logits = per_sample_grads(self.model, p, self.loss, x, ctx, chunk_size=self.chunk_size)
-        keep = self._keep(logits, ctx, keep)
-        if keep is not None:  # originals only: the sample set (and B) is data dependent
-            if not keep.any():
-                return logits, None, keep
-            g = {n: t[keep] for n, t in g.items()}
-        return logits, clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally), keep
-
     def forward(self, x):
         if self.base == "source":
             with torch.no_grad():
@@ -545,7 +444,12 @@ class DPTTA(nn.Module):
                 shifted, g, keep = self._grad(x, ctx, self._ascent(g), keep)
             if g is not None:
                 self._step(g)
-                self._recover(self.ent(shifted.detach())[keep].mean())
+                # recovery: ema ← 0.9·ema + 0.1·loss; a collapse (ema < reset_ema) resets
+                loss = self.ent(shifted.detach())[keep].mean().item()
+                if not math.isnan(loss):
+                    self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
+                if self.ema is not None and self.ema < self.hp["reset_ema"]:
+                    self.reset()  # θ and the optimizer
         elif self.base == "sar":  # DP-SAT: ascend along the previous *private* gradient
             shift = None if self.g_prev is None else self._ascent(self.g_prev)
             logits, g, _ = self._grad(x, ctx, shift)
@@ -573,14 +477,6 @@ class DPTTA(nn.Module):
             p.grad = g[n].to(p.dtype)
         self.opt.step()
 
-    def _recover(self, loss):
-        # SAR: ema ← 0.9·ema + 0.1·loss; a collapse (ema < reset_ema) resets model AND optimizer
-        loss = loss.item()
-        if not math.isnan(loss):
-            self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
-        if self.ema is not None and self.ema < self.hp["reset_ema"]:
-            self.reset()
-
 
 # ============================================================================
 # Part II: running it (data, the paper's hyperparameters, the command line, main)
@@ -594,13 +490,11 @@ import time
 import uuid
 
 import timm
-import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Subset, default_collate
 from torchvision.datasets import ImageFolder
 
-# ----------------------------------------------------------------------------
-# Data: ImageNet-C / ImageNet-R folders, labelled by WordNet id
+# -- Data: ImageNet-C / ImageNet-R folders, labelled by WordNet id -----------
 
 CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur",
                "motion_blur", "zoom_blur", "snow", "frost", "fog", "brightness", "contrast",
@@ -693,8 +587,8 @@ def fisher_information(model, params, images, n=2000):
     return {k: f / max(batches, 1) for k, f in fisher.items()}
 
 
-# ----------------------------------------------------------------------------
-# The paper's hyperparameters (ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream)
+# -- The paper's hyperparameters --------------------------------------------
+# ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream
 
 PAPER_DP = {  # setting -> method -> {ε: (C, lr)}
     "continual": {
@@ -751,8 +645,7 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
     return C, lr, f"paper, dp_{table_base} ε={near}, {setting}{note}"
 
 
-# ----------------------------------------------------------------------------
-# The command line
+# -- The command line --------------------------------------------------------
 
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
 STOP = []  # signals received: the stream loop checks it, so no teardown can swallow a Ctrl-C
@@ -1234,9 +1127,8 @@ def adapt_and_record(args, key, out, device, amp, hp_note):
 # Appendix: tools (--summarize, --benchmark, --audit)
 from scipy import stats
 
-# ----------------------------------------------------------------------------
-# --summarize: the paper's tables from a results file
 
+# -- --summarize: the paper's tables from a results file ---------------------
 
 def variant_of(record):
     """The table column of a run: non-private, clip-only, ε=inf (dp_, no noise) or ε=<eps>."""
@@ -1328,9 +1220,7 @@ def summarize(path, per_corruption=False, error=False):
     return 0
 
 
-# ----------------------------------------------------------------------------
-# --benchmark: the cost of privacy, measured side by side
-
+# -- --benchmark: the cost of privacy, measured side by side -----------------
 
 def benchmark(args):
     """One step of every method, non-private / clip-only / DP, timed side by side."""
@@ -1417,9 +1307,7 @@ def benchmark(args):
     return 0
 
 
-# ----------------------------------------------------------------------------
-# --audit: an empirical lower bound on ε from a distinguishing game
-
+# -- --audit: an empirical lower bound on ε from a distinguishing game -------
 
 def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
     """ε_lb from test statistics of the two neighbouring worlds (large = "canary in").

@@ -1,6 +1,5 @@
 """Tests for dptta.py: every claim against an independent oracle (closed form,
 high-precision arithmetic, a plain per-sample loop, Monte Carlo, the paper)."""
-import collections
 import contextlib
 import copy
 import json
@@ -12,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -39,22 +39,25 @@ def tiny_vit(dtype=torch.float32, depth=4, seed=0):
 
 def tiny_convnext(dtype=torch.float32):
     torch.manual_seed(0)
-    return timm.create_model("convnext_tiny", pretrained=False, depths=(1, 1, 1, 1), dims=(8, 8, 16, 16),
-                             num_classes=K).to(dtype).eval()
+    m = timm.create_model("convnext_tiny", pretrained=False, depths=(1, 1, 1, 1),
+                          dims=(8, 8, 16, 16), num_classes=K)
+    return m.to(dtype).eval()
 
 
 def tiny_groupnorm_cnn(dtype=torch.float32):
     """Not timm: a GroupNorm convnet (ResNet-GN style), and no blocks/stages to skip."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 8, 3, 2),
-                         nn.GroupNorm(4, 8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, K)).to(dtype).eval()
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.GroupNorm(2, 8), nn.ReLU(),
+                      nn.Conv2d(8, 8, 3, 2), nn.GroupNorm(4, 8), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, K))
+    return m.to(dtype).eval()
 
 
 def tiny_bn_cnn(dtype=torch.float64):
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, 2),
-                      nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, K))
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.Conv2d(8, 8, 3, 2), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, K))
     for bn in (m[1], m[4]):  # source statistics far from any test batch's, so the mode shows
         bn.running_mean.fill_(0.7)
         bn.running_var.fill_(3.0)
@@ -63,6 +66,14 @@ def tiny_bn_cnn(dtype=torch.float64):
 
 def images(n, seed=1, dtype=torch.float32):
     return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def entropy_loss(logits, ctx):  # a loss_fn for per_sample_grads: H of each sample
+    return dptta.entropy(logits)
+
+
+def one_loss(model, params, xi):  # one sample's H at params, for the old vmap(grad(...)) path
+    return dptta.entropy(torch.func.functional_call(model, params, (xi[None],))).sum()
 
 
 def loop_grads(model, names, loss_fn, x, ctx=None):
@@ -109,23 +120,27 @@ def no_vmap_fallback():
 PAPER_SIGMA = {20: 0.6186, 15: 0.777, 10: 1.084, 5: 1.966, 1: 8.594}
 
 
-EXACT_SIGMA = {20: 0.6182, 15: 0.7763, 10: 1.0822, 5: 1.9601, 1: 8.4494}  # the μ-GDP inverse, 4 digits
+# the μ-GDP inverse to 4 digits
+EXACT_SIGMA = {20: 0.6182, 15: 0.7763, 10: 1.0822, 5: 1.9601, 1: 8.4494}
 
 
 def delta_mp(eps, sigma):
     """δ(ε) in 60-digit arithmetic, straight from the formula."""
     import mpmath
     mpmath.mp.dps = 60
-    Phi = lambda t: mpmath.ncdf(t)
     e, s = mpmath.mpf(eps), mpmath.mpf(sigma)
-    return float(Phi(-s * e / 2 + 1 / s) - mpmath.exp(e) * Phi(-s * e / 2 - 1 / s))
+    return float(mpmath.ncdf(-s * e / 2 + 1 / s) - mpmath.exp(e) * mpmath.ncdf(-s * e / 2 - 1 / s))
 
 
 def delta_plrv(eps, sigma):
     """δ(ε) = E[(1 − e^{ε−L})₊], L ~ N(μ²/2, μ²) the privacy loss of μ-GDP, by quadrature."""
     mu = 2 / sigma
-    dens = lambda l: math.exp(-(l - mu * mu / 2) ** 2 / (2 * mu * mu)) / (mu * math.sqrt(2 * math.pi))
-    return integrate.quad(lambda l: (1 - math.exp(eps - l)) * dens(l), eps, eps + 40 * mu, epsabs=1e-14)[0]
+
+    def integrand(l):  # (1 − e^{ε−l}) times the N(μ²/2, μ²) density at l
+        dens = math.exp(-(l - mu * mu / 2) ** 2 / (2 * mu * mu)) / (mu * math.sqrt(2 * math.pi))
+        return (1 - math.exp(eps - l)) * dens
+
+    return integrate.quad(integrand, eps, eps + 40 * mu, epsabs=1e-14)[0]
 
 
 def test_paper_sigmas_meet_delta_and_calibration_is_tight():
@@ -134,12 +149,14 @@ def test_paper_sigmas_meet_delta_and_calibration_is_tight():
         s = dptta.calibrate_sigma(eps=eps, delta=1e-6)
         assert s <= s_paper and s >= 0.98 * s_paper
         assert s == pytest.approx(EXACT_SIGMA[eps], abs=1e-4)
-        assert dptta.gdp_delta(eps=eps, sigma=s) <= 1e-6 <= dptta.gdp_delta(eps=eps, sigma=s * (1 - 1e-8))
+        assert dptta.gdp_delta(eps=eps, sigma=s) <= 1e-6
+        assert dptta.gdp_delta(eps=eps, sigma=s * (1 - 1e-8)) > 1e-6  # the smallest such σ
 
 
 @pytest.mark.parametrize("eps,sigma", [(1, 8.45), (5, 1.96), (0.5, 3.0), (2.0, 1.5), (0.01, 1.0)])
 def test_gdp_delta_matches_privacy_loss_quadrature(eps, sigma):
-    assert dptta.gdp_delta(eps=eps, sigma=sigma) == pytest.approx(delta_plrv(eps, sigma), rel=1e-6, abs=1e-15)
+    want = delta_plrv(eps, sigma)
+    assert dptta.gdp_delta(eps=eps, sigma=sigma) == pytest.approx(want, rel=1e-6, abs=1e-15)
 
 
 def test_gdp_delta_matches_high_precision_over_the_whole_range():
@@ -168,16 +185,20 @@ def test_accountant_is_monotone_and_round_trips():
     assert dptta.gdp_epsilon(sigma=0.0, delta=1e-6) == math.inf
 
 
-@pytest.mark.parametrize("call", [
-    lambda: dptta.calibrate_sigma(eps=0, delta=1e-6), lambda: dptta.calibrate_sigma(eps=-1, delta=1e-6),
-    lambda: dptta.calibrate_sigma(eps=float("nan"), delta=1e-6), lambda: dptta.calibrate_sigma(eps=1, delta=0),
-    lambda: dptta.calibrate_sigma(eps=1, delta=1), lambda: dptta.calibrate_sigma(eps=1, delta=float("nan")),
-    lambda: dptta.gdp_epsilon(sigma=1.0, delta=1.5), lambda: dptta.gdp_delta(eps=float("nan"), sigma=1.0),
-    lambda: dptta.gdp_epsilon(sigma=-1.0, delta=1e-6)])
-def test_bad_privacy_arguments_raise_one_line_value_errors(call):
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("function,kwargs", [
+    ("calibrate_sigma", dict(eps=0, delta=1e-6)), ("calibrate_sigma", dict(eps=-1, delta=1e-6)),
+    ("calibrate_sigma", dict(eps=NAN, delta=1e-6)), ("calibrate_sigma", dict(eps=1, delta=0)),
+    ("calibrate_sigma", dict(eps=1, delta=1)), ("calibrate_sigma", dict(eps=1, delta=NAN)),
+    ("gdp_epsilon", dict(sigma=1.0, delta=1.5)), ("gdp_delta", dict(eps=NAN, sigma=1.0)),
+    ("gdp_epsilon", dict(sigma=-1.0, delta=1e-6))])
+def test_bad_privacy_arguments_raise_one_line_value_errors(function, kwargs):
     with pytest.raises(ValueError) as e:
-        call()
-    assert "\n" not in str(e.value) and ("eps" in str(e.value) or "delta" in str(e.value) or "sigma" in str(e.value))
+        getattr(dptta, function)(**kwargs)
+    message = str(e.value)
+    assert "\n" not in message and any(name in message for name in ("eps", "delta", "sigma"))
 
 
 def test_photo_privacy_unit_composes_k_releases_by_the_closed_form():
@@ -189,7 +210,10 @@ def test_photo_privacy_unit_composes_k_releases_by_the_closed_form():
     photo = dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, delta=delta, clip=1.0, lr=1e-3,
                         privacy_unit="photo", repeats=k)
     mu = 2 * math.sqrt(k) / photo.sigma  # the photo's k releases together
-    d = lambda e, mu: norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2)
+
+    def d(e, mu):
+        return norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2)
+
     assert d(eps, mu) <= delta and d(eps, mu * 1.001) > delta  # meets δ, and tightly
     assert photo.sigma == pytest.approx(math.sqrt(k) * image.sigma, rel=1e-12)
     with pytest.raises(ValueError, match="privacy_unit"):
@@ -206,7 +230,8 @@ def test_adaptable_params_vit_all_norms_and_skip_top():
     assert sorted(names) == sorted(f"{n}.{w}" for n in norms for w in ("weight", "bias"))
     assert len(names) == 2 * (2 * 5 + 1)
     top = dptta.adaptable_params(m, skip_top=True)  # blocks 0..1 of 5, no final norm
-    assert sorted({n.split(".")[1] for n in top}) == ["0", "1"] and all(n.startswith("blocks.") for n in top)
+    assert sorted({n.split(".")[1] for n in top}) == ["0", "1"]
+    assert all(n.startswith("blocks.") for n in top)
 
 
 def test_adaptable_params_convnext_includes_layernorm2d_and_skips_last_stage():
@@ -239,7 +264,8 @@ def test_resnet_trunk_skips_layer4_like_the_originals():
 
 def test_groupnorm_model_adapts_all_norms_even_with_skip_top():
     m = tiny_groupnorm_cnn()
-    assert sorted(dptta.adaptable_params(m, skip_top=True)) == ["1.bias", "1.weight", "4.bias", "4.weight"]
+    want = ["1.bias", "1.weight", "4.bias", "4.weight"]
+    assert sorted(dptta.adaptable_params(m, skip_top=True)) == want
     a = dptta.DPTTA(m, "dp_deyo", eps=5, clip=1.0, lr=0.1)
     a(images(4))
     assert any(not torch.equal(a.theta0[n], p) for n, p in a.params.items())
@@ -253,14 +279,13 @@ def test_per_sample_grads_equal_a_plain_loop(make):
     m = make(torch.float64)
     x = images(5, dtype=torch.float64)
     params = dptta.adaptable_params(m)
-    loss = lambda z, c: dptta.entropy(z)
-    g, logits = dptta.per_sample_grads(m, params, loss, x)
-    want = loop_grads(m, list(params), loss, x)
+    g, logits = dptta.per_sample_grads(m, params, entropy_loss, x)
+    want = loop_grads(m, list(params), entropy_loss, x)
     assert set(g) == set(want)
     for n in want:
         torch.testing.assert_close(g[n], want[n], rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(logits, m(x), rtol=1e-12, atol=1e-12)
-    g8, _ = dptta.per_sample_grads(m, params, loss, x, chunk_size=2)
+    g8, _ = dptta.per_sample_grads(m, params, entropy_loss, x, chunk_size=2)
     for n in want:
         torch.testing.assert_close(g8[n], want[n], rtol=1e-9, atol=1e-12)
 
@@ -280,12 +305,11 @@ def test_every_clipped_step_runs_without_a_per_sample_loop(make):
 
 
 def test_fallback_switch_catches_the_old_per_sample_path():
-    """The check above can fail: vmap(grad(...)) over timm's fused CPU attention loops per sample."""
+    """The check above can fail: vmap(grad(...)) over timm's fused CPU attention loops."""
     m = tiny_vit()
     p = {n: t.detach() for n, t in dptta.adaptable_params(m).items()}
-    one = lambda q, xi: dptta.entropy(torch.func.functional_call(m, q, (xi[None],))).sum()
     with no_vmap_fallback(), pytest.raises(RuntimeError, match="vmap fallback"):
-        torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(p, images(3))
+        torch.func.vmap(torch.func.grad(partial(one_loss, m)), in_dims=(None, 0))(p, images(3))
 
 
 ATTENTION_KERNELS = {  # CUDA's fused kernels, exercised on meta tensors (shapes only) on a CPU box
@@ -304,7 +328,8 @@ class FusedAttention(nn.Module):
     def __init__(self, kernel, dim=64, heads=2):
         super().__init__()
         self.kernel, self.heads = kernel, heads
-        self.norm, self.qkv, self.head = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, K)
+        self.norm, self.qkv = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim)
+        self.head = nn.Linear(dim, K)
 
     def forward(self, x):
         N, T, D = x.shape
@@ -319,29 +344,27 @@ def test_cuda_fused_attention_runs_batched_forward_and_backward(kernel):
     x = torch.empty(4, 8, 64, device="meta", dtype=torch.bfloat16)
     params = dptta.adaptable_params(m)
     with no_vmap_fallback():
-        g, logits = dptta.per_sample_grads(m, params, lambda z, c: dptta.entropy(z), x)
+        g, logits = dptta.per_sample_grads(m, params, entropy_loss, x)
         assert {n: t.shape for n, t in g.items()} == {n: (4, 64) for n in params}
         assert logits.shape == (4, K)
         # the old vmap(grad(...)) hits the fallback in exactly these kernels' backward
-        one = lambda q, xi: dptta.entropy(torch.func.functional_call(m, q, (xi[None],))).sum()
         frozen = {n: t.detach() for n, t in params.items()}
         with pytest.raises(RuntimeError, match=f"{kernel}_attention_backward"):
-            torch.func.vmap(torch.func.grad(one), in_dims=(None, 0))(frozen, x)
+            torch.func.vmap(torch.func.grad(partial(one_loss, m)), in_dims=(None, 0))(frozen, x)
 
 
 def test_a_fallback_in_a_users_model_warns_once_naming_the_op(monkeypatch):
-    monkeypatch.setattr(dptta, "VMAP_FALLBACKS", collections.Counter())
+    monkeypatch.setattr(dptta, "VMAP_FALLBACKS", {})
 
     cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # no batching rule
     m = FusedAttention(lambda q, k, v: cpu_flash(q, k, v)[0]).eval()
-    loss = lambda z, c: dptta.entropy(z)
     x = torch.randn(3, 5, 64)
     with pytest.warns(UserWarning, match="flash_attention_for_cpu.*once per sample") as record:
-        g, _ = dptta.per_sample_grads(m, dptta.adaptable_params(m), loss, x)
-        dptta.per_sample_grads(m, dptta.adaptable_params(m), loss, x)
+        g, _ = dptta.per_sample_grads(m, dptta.adaptable_params(m), entropy_loss, x)
+        dptta.per_sample_grads(m, dptta.adaptable_params(m), entropy_loss, x)
     assert sum("once per sample" in str(w.message) for w in record) == 1
     assert sum(dptta.VMAP_FALLBACKS.values()) >= 2
-    want = loop_grads(m, list(g), loss, x)  # slow, but still exact
+    want = loop_grads(m, list(g), entropy_loss, x)  # slow, but still exact
     for n in want:
         torch.testing.assert_close(g[n], want[n], rtol=1e-4, atol=1e-6)
 
@@ -400,23 +423,27 @@ def test_noise_std_independence_and_seed():
     for v in (a, b):
         assert v.std().item() == pytest.approx(want, rel=0.05)
         assert abs(v.mean().item()) < 4 * want / math.sqrt(len(v))
-    assert abs(np.corrcoef(a.numpy(), b.numpy())[0, 1]) < 4 / math.sqrt(len(a))  # tensors draw independently
+    correlation = np.corrcoef(a.numpy(), b.numpy())[0, 1]
+    assert abs(correlation) < 4 / math.sqrt(len(a))  # tensors draw independently
     x = dptta.clip_and_noise(g, C, sigma, torch.Generator().manual_seed(7))
     y = dptta.clip_and_noise(g, C, sigma, torch.Generator().manual_seed(7))
     assert all(torch.equal(x[n], y[n]) for n in x)
 
 
 def test_neighbouring_releases_are_mu_gdp_by_monte_carlo():
-    """Replace one sample by its opposite: the release moves by 2C/B and the noise is σC/B: μ = 2/σ."""
+    """Replace a sample by its opposite: the release moves by 2C/B, the noise is σC/B: μ = 2/σ."""
     C, sigma, T = 1.0, 2.0, 20000
     base, _ = grads_of_norms([5.0, 0.3, 2.0, 7.0], shapes=((6,),))
     other = {"t0": base["t0"].clone()}
     other["t0"][0] *= -1
     u = base["t0"][0] / base["t0"][0].norm()
     gen = torch.Generator().manual_seed(0)
-    proj = lambda d: torch.stack([(dptta.clip_and_noise(d, C, sigma, gen)["t0"].double() * u).sum()
-                                  for _ in range(T)])
-    p0, p1 = proj(base), proj(other)
+
+    def projections(g):  # the releases along u, T draws
+        return torch.stack([(dptta.clip_and_noise(g, C, sigma, gen)["t0"].double() * u).sum()
+                            for _ in range(T)])
+
+    p0, p1 = projections(base), projections(other)
     mu = (p0.mean() - p1.mean()) / p0.std()
     assert mu.item() == pytest.approx(2 / sigma, rel=0.05)
 
@@ -435,7 +462,7 @@ def test_nonfinite_sample_is_zeroed_counted_and_harmless():
 
 @pytest.mark.parametrize("method", [m for m in dptta.METHODS if m.startswith("dp_")])
 def test_dp_step_does_not_peek_at_other_samples(method):
-    """Replacing sample c by c' moves the update by the same amount whatever the other samples are."""
+    """Replacing sample c by c' moves the update by the same amount whatever the others are."""
     c, c2 = images(1, 50, torch.float64), images(1, 51, torch.float64)
 
     def update(others, last):
@@ -446,7 +473,8 @@ def test_dp_step_does_not_peek_at_other_samples(method):
     one, other = (update(o, c) - update(o, c2) for o in (images(3, 60, torch.float64),
                                                             5 * images(3, 61, torch.float64)))
     assert one.abs().max() > 1e-4  # the swap matters ...
-    torch.testing.assert_close(one, other, rtol=1e-5, atol=1e-8)  # ... the same with any company (fp32 sums)
+    # ... and by the same amount in any company (up to fp32 sums)
+    torch.testing.assert_close(one, other, rtol=1e-5, atol=1e-8)
 
 
 # ----------------------------------------------------------------------------
@@ -455,12 +483,14 @@ def test_dp_step_does_not_peek_at_other_samples(method):
 def test_entropy_and_come_against_naive_formulas():
     z = torch.randn(6, K, dtype=torch.float64) * 3
     p = z.softmax(-1)
-    torch.testing.assert_close(dptta.entropy(z).double(), -(p * p.log()).sum(-1), rtol=1e-6, atol=1e-6)
+    want = -(p * p.log()).sum(-1)
+    torch.testing.assert_close(dptta.entropy(z).double(), want, rtol=1e-6, atol=1e-6)
     zz = z.clone().requires_grad_()
     e = torch.exp(z)  # the Dirichlet opinion, literally: b = e/(Σe + K), u = K/(Σe + K)
     S = e.sum(-1, keepdim=True) + K
     q = torch.cat([e / S, K / S], -1) + 1e-7
-    torch.testing.assert_close(dptta.come_entropy(zz).double(), -(q * q.log()).sum(-1), rtol=1e-5, atol=1e-6)
+    want = -(q * q.log()).sum(-1)
+    torch.testing.assert_close(dptta.come_entropy(zz).double(), want, rtol=1e-5, atol=1e-6)
     g, = torch.autograd.grad(dptta.come_entropy(zz).sum(), zz)
     assert (g * z).sum(-1).abs().max().item() < 1e-5  # no radial component: the norm is not pushed
 
@@ -469,7 +499,10 @@ def test_patch_shuffle_permutes_patches_per_image_seeded():
     x = torch.arange(2 * 3 * 16 * 16, dtype=torch.float32).reshape(2, 3, 16, 16)
     x = torch.cat([x, x])  # two identical pairs: permutations must still differ per image
     y = dptta.patch_shuffle(x, 4, torch.Generator().manual_seed(0))
-    patches = lambda t: t.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(len(t), 16, -1)
+
+    def patches(t):  # [B, 16 patches, their pixels], by hand
+        return t.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(len(t), 16, -1)
+
     px, py = patches(x), patches(y)
     for i in range(4):
         rows_x = sorted(map(tuple, px[i].tolist()))
@@ -488,12 +521,12 @@ def test_method_constants_follow_a_given_number_of_classes():
     assert a._keep(z, None, None).tolist() == want.tolist()
     e = np.exp(z.numpy().astype(np.float64))
     q = np.concatenate([e, np.full((len(e), 1), 1000)], 1) / (e.sum(1, keepdims=True) + 1000) + 1e-7
-    np.testing.assert_allclose(dptta.come_entropy(z.double(), 1000).numpy(), -(q * np.log(q)).sum(1),
-                               rtol=1e-9)
+    got = dptta.come_entropy(z.double(), 1000).numpy()
+    np.testing.assert_allclose(got, -(q * np.log(q)).sum(1), rtol=1e-9)
     w = dptta.DPTTA(tiny_vit(), "dp_eata", eps=5.0, clip=1.0, lr=1e-3, num_classes=1000)
     H = np_entropy(z.double().numpy())
-    np.testing.assert_allclose(w.loss(z.double(), None).numpy(), np.exp(0.4 * math.log(1000) - H) * H,
-                               rtol=1e-9)
+    want = np.exp(0.4 * math.log(1000) - H) * H
+    np.testing.assert_allclose(w.loss(z.double(), None).numpy(), want, rtol=1e-9)
 
 
 # ----------------------------------------------------------------------------
@@ -550,7 +583,8 @@ def test_every_method_predicts_first_resets_and_is_deterministic(method):
             want = copy.deepcopy(m)(x)
         torch.testing.assert_close(a(x), want)
     if method != "source":
-        assert any(not torch.equal(start[n], p) for n, p in a.params.items()), "no adaptation happened"
+        moved = any(not torch.equal(start[n], p) for n, p in a.params.items())
+        assert moved, "no adaptation happened"
         a.reset()
         assert all(torch.equal(start[n], t) for n, t in m.state_dict().items())
         assert not a.opt.state and a.m is None and a.ema is None and a.g_prev is None
@@ -577,7 +611,7 @@ def test_reset_does_not_rewind_the_noise():
 
 @pytest.mark.parametrize("method", dptta.BASES)
 def test_clip_only_originals_and_batch_of_one(method):
-    """The clip-only variant of every original steps and predicts first; DP works at batch size 1."""
+    """Every original's clip-only variant steps and predicts first; DP works at batch size 1."""
     m = tiny_vit()
     a = dptta.DPTTA(m, method, **kw(method, clip=0.5, e_margin=10.0))
     x = images(6)
@@ -613,7 +647,8 @@ def test_memory_does_not_grow_over_a_long_stream():
 
     def live_tensors():
         gc.collect()
-        return sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, nn.Parameter))  # no isinstance: it pokes deprecated modules
+        # type(), not isinstance(): isinstance pokes deprecated modules
+        return sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, nn.Parameter))
 
     for _ in range(20):
         a(x)
@@ -662,18 +697,21 @@ def test_sar_filter_keeps_exactly_the_reliable_samples():
     want = np_entropy(z.numpy()) < 0.4 * math.log(K)
     assert want.tolist() == [True, False, True, False]
     assert a._keep(z, None, None).tolist() == want.tolist()
-    assert a._keep(z, None, torch.tensor([False, True, True, True])).tolist() == [False, False, True, False]
+    already = torch.tensor([False, True, True, True])
+    assert a._keep(z, None, already).tolist() == [False, False, True, False]
 
 
 def test_eata_filters_reliable_and_non_redundant_and_updates_m():
     a = dptta.DPTTA(tiny_vit(), "eata", lr=1e-3)
     z = logits_with([(0, 12.0), (5, 12.0), (5, 0.5), (7, 12.0)])
-    assert a._keep(z, None, None).tolist() == [True, True, False, True]  # no m yet: reliability only
+    # no m yet: reliability only
+    assert a._keep(z, None, None).tolist() == [True, True, False, True]
     p = z.softmax(-1)
     torch.testing.assert_close(a.m, p[[0, 1, 3]].mean(0))
     a.m = logits_with([(0, 20.0)]).softmax(-1)[0]  # the recent average: class 0
     m_before = a.m.clone()
-    assert a._keep(z, None, None).tolist() == [False, True, False, True]  # class 0 again is redundant
+    # class 0 again is redundant
+    assert a._keep(z, None, None).tolist() == [False, True, False, True]
     torch.testing.assert_close(a.m, 0.9 * m_before + 0.1 * p[[1, 3]].mean(0))
 
 
@@ -771,7 +809,8 @@ def grad_at(model, names, x, shift=None):
             params[n].add_(shift[n])
     for n in names:
         params[n].requires_grad_(True)
-    return dict(zip(names, torch.autograd.grad(dptta.entropy(m(x)).mean(), [params[n] for n in names])))
+    grads = torch.autograd.grad(dptta.entropy(m(x)).mean(), [params[n] for n in names])
+    return dict(zip(names, grads))
 
 
 def unit(g, rho):
@@ -802,7 +841,8 @@ def test_dp_sat_ascends_along_the_previous_private_gradient():
     m = tiny_vit()
     a = dptta.DPTTA(m, "dp_sar", eps=math.inf, clip=1e9, lr=0.1, rho=0.05)
     x = images(8)
-    known = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) for n, p in a.params.items()}
+    gen = torch.Generator().manual_seed(1)
+    known = {n: torch.randn(p.shape, generator=gen) for n, p in a.params.items()}
     a.g_prev = known
     theta = {n: p.detach().clone() for n, p in a.params.items()}
     ref = copy.deepcopy(m)
@@ -813,7 +853,8 @@ def test_dp_sat_ascends_along_the_previous_private_gradient():
     torch.testing.assert_close(pred, want_pred)  # predicted at θ, not at the perturbed point
     for n in a.params:
         torch.testing.assert_close(a.params[n], theta[n] - 0.1 * g[n], rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(a.g_prev[n], g[n], rtol=1e-4, atol=1e-6)  # the next ascent direction
+        # the next ascent direction
+        torch.testing.assert_close(a.g_prev[n], g[n], rtol=1e-4, atol=1e-6)
     fresh = dptta.DPTTA(tiny_vit(), "dp_sar", eps=math.inf, clip=1e9, lr=0.1)
     g0 = grad_at(tiny_vit(), list(fresh.params), x)  # step 1: no previous gradient, no ascent
     fresh(x)
@@ -839,7 +880,8 @@ def test_clip_only_sar_ascends_along_the_plain_mean_and_clips_the_update():
     g = per_sample_grad_at(ref, names, x, [True] * 8, shift)
     norms = torch.sqrt(sum(t.flatten(1).pow(2).sum(1) for t in g.values()))
     assert (norms > C).all()  # so clipping the ascent too would change it
-    upd = {n: (t * (C / norms).clamp(max=1).view(-1, *[1] * (t.dim() - 1))).mean(0) for n, t in g.items()}
+    factor = (C / norms).clamp(max=1)
+    upd = {n: (t * factor.view(-1, *[1] * (t.dim() - 1))).mean(0) for n, t in g.items()}
     a(x)
     for n in names:
         torch.testing.assert_close(a.params[n], theta[n] - lr * upd[n], rtol=1e-4, atol=1e-7)
@@ -883,7 +925,8 @@ def gratings(n, seed):
     y = torch.randint(0, K, (n,), generator=g)
     ang, phase = y.float() * math.pi / K, torch.rand(n, generator=g) * 2 * math.pi
     X, Y = torch.meshgrid(torch.linspace(-1, 1, 32), torch.linspace(-1, 1, 32), indexing="ij")
-    img = torch.sin(8 * (X * torch.cos(ang)[:, None, None] + Y * torch.sin(ang)[:, None, None]) + phase[:, None, None])
+    ang, phase = ang[:, None, None], phase[:, None, None]
+    img = torch.sin(8 * (X * torch.cos(ang) + Y * torch.sin(ang)) + phase)
     colour = torch.stack([torch.ones(n), (y % 3).float() / 2, (y % 2).float()], 1)
     return img[:, None] * colour[:, :, None, None] + 0.1 * torch.randn(n, 3, 32, 32, generator=g), y
 
@@ -901,7 +944,8 @@ def trained_on_gratings():
         opt.step()
     x, y = gratings(1024, 1)
     assert (m.eval()(x).argmax(1) == y).float().mean() == 1.0
-    shifted = 0.6 * x + 0.45 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2)) + 0.2
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    shifted = 0.6 * x + 0.45 * noise + 0.2
     return m.state_dict(), shifted, y
 
 
@@ -913,15 +957,23 @@ def test_adaptation_beats_the_frozen_source_on_a_shift(trained_on_gratings, meth
         m = tiny_vit(depth=2)
         m.load_state_dict(state)
         a = dptta.DPTTA(m, method, **kwargs)
-        return sum((a(x[i:i + 64]).argmax(1) == y[i:i + 64]).sum().item() for i in range(0, len(x), 64)) / len(x)
+        hits = sum((a(x[i:i + 64]).argmax(1) == y[i:i + 64]).sum().item()
+                   for i in range(0, len(x), 64))
+        return hits / len(x)
 
-    # 10 classes: ImageNet's margins, and EATA's |cos(m, p)| < 0.05 (rare between 10-way softmaxes), keep ~nothing
-    loose = dict(e_margin=0.9, deyo_margin=0.9, d_margin=1.0)
-    kwargs = dict(eps=5, clip=1.0) if method.startswith("dp_") else loose if method in ("eata", "sar", "deyo", "deyo_come") else {}
+    kwargs = {}
+    if method.startswith("dp_"):
+        kwargs = dict(eps=5, clip=1.0)
+    elif method in ("eata", "sar", "deyo", "deyo_come"):
+        # 10 classes: with ImageNet's margins, and EATA's |cos(m, p)| < 0.05 (rare between
+        # 10-way softmaxes), the filters would keep almost nothing
+        kwargs = dict(e_margin=0.9, deyo_margin=0.9, d_margin=1.0)
     source = accuracy("source")
-    assert accuracy(method, lr=5e-3, **kwargs) > source + 0.01
+    # lr 1e-2: every variant gains >= 2.3 points here, so 1 point is not at the mercy of
+    # float rounding (at 5e-3, DeYO-COME gained 0.98 on one CPU and more on another)
+    assert accuracy(method, lr=1e-2, **kwargs) > source + 0.01
     if not method.startswith("dp_"):  # the clip-only variant too
-        assert accuracy(method, lr=5e-3, clip=1.0, **kwargs) > source + 0.01
+        assert accuracy(method, lr=1e-2, clip=1.0, **kwargs) > source + 0.01
 
 
 # ============================================================================
@@ -968,7 +1020,7 @@ def test_a_decompression_bomb_is_an_unreadable_image(tmp_path):
 
 
 def test_unreadable_image_keeps_its_place_in_the_batch():
-    """B is the number of files: a placeholder (label −1, never scored) stands in for an unreadable one."""
+    """B counts files: a placeholder (label −1, never scored) stands in for an unreadable one."""
     img = torch.ones(3, 4, 4)
     x, y, bad = dptta.collate_skipping([(img, 5), (None, "a/b.JPEG"), (img, 7)])
     assert x.shape == (3, 3, 4, 4) and y.tolist() == [5, -1, 7] and bad == ["a/b.JPEG"]
@@ -1015,8 +1067,8 @@ def bad_tree(root):
 
 def cli(*args, cwd=None):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, os.path.join(HERE, "dptta.py"), *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=600)
+    command = [sys.executable, os.path.join(HERE, "dptta.py"), *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
 
 
 def records(path):
@@ -1030,8 +1082,8 @@ def final_record(path):
 
 def adapt(tree, out, *extra):
     root, ckpt = tree
-    r = cli("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL, "--checkpoint", ckpt,
-            "--batch-size", 4, "--workers", 0, "--out", out, *extra)
+    r = cli("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL,
+            "--checkpoint", ckpt, "--batch-size", 4, "--workers", 0, "--out", out, *extra)
     assert r.returncode == 0, r.stderr
     with open(out) as f:
         return r, json.loads(f.read().splitlines()[-1])
@@ -1044,21 +1096,27 @@ def test_cli_end_to_end_jsonl_ledger_skips_unreadable_and_episodic_resets(tree, 
     led = cont["ledger"]
     assert led["private"] and led["eps"] == 5 and led["sigma"] == pytest.approx(1.9601, abs=1e-4)
     assert led["mu"] == pytest.approx(2 / led["sigma"]) and led["repeats"] == 2
-    assert led["eps_per_underlying_image"] == pytest.approx(dptta.gdp_epsilon(sigma=led["sigma"] / math.sqrt(2), delta=1e-6))
-    assert cont["skipped"] == 1 and cont["images"] == 24 and set(cont["accuracy"]) == {"gaussian_noise", "shot_noise"}
-    assert cont["versions"]["torch"] == torch.__version__ and cont["clip"] == 1 and cont["lr"] == 0.05
-    # episodic: the second corruption starts from θ0, exactly like a run on it alone; continual does not.
-    # eps=inf (no noise): the noise stream runs on across resets, so with noise they'd agree only in law
+    per_photo = dptta.gdp_epsilon(sigma=led["sigma"] / math.sqrt(2), delta=1e-6)
+    assert led["eps_per_underlying_image"] == pytest.approx(per_photo)
+    assert cont["skipped"] == 1 and cont["images"] == 24
+    assert set(cont["accuracy"]) == {"gaussian_noise", "shot_noise"}
+    assert cont["versions"]["torch"] == torch.__version__
+    assert cont["clip"] == 1 and cont["lr"] == 0.05
+    # episodic: the second corruption starts from θ0, exactly like a run on it alone; continual
+    # does not. eps=inf (no noise): the noise stream runs on across resets, so with noise they
+    # would agree only in law
     clip_only = ("--method", "dp_tent", "--eps", "inf", "--lr", 0.05)
     _, cont = adapt(tree, out, *clip_only)
     _, epi = adapt(tree, out, *clip_only, "--setting", "episodic")
-    _, alone = adapt(tree, out, *clip_only, "--corruptions", "shot_noise")  # the last --corruptions wins
+    # the last --corruptions wins
+    _, alone = adapt(tree, out, *clip_only, "--corruptions", "shot_noise")
     assert epi["drift"]["gaussian_noise"] == cont["drift"]["gaussian_noise"]
     assert epi["drift"]["shot_noise"] == alone["drift"]["shot_noise"]
     assert epi["drift"]["shot_noise"] != cont["drift"]["shot_noise"]
     # the summary table
     r = cli("--summarize", out)
-    assert r.returncode == 0 and "tent" in r.stdout and "ε=5" in r.stdout and "continual" in r.stdout
+    assert r.returncode == 0
+    assert "tent" in r.stdout and "ε=5" in r.stdout and "continual" in r.stdout
     # resumable: the same cell is not run twice
     r, _ = adapt(tree, out, "--method", "dp_tent", "--eps", 5, "--lr", 0.05, "--resume")
     assert "skipped" in r.stdout
@@ -1079,8 +1137,9 @@ def always_900(path):
 def test_cli_scores_by_wordnet_id_on_a_subset_of_classes(tmp_path):
     from timm.data import ImageNetInfo
     image_folder(tmp_path / "c" / "shot_noise" / "5", ImageNetInfo().label_names()[900])
-    r = cli("--data", tmp_path / "c", "--corruptions", "shot_noise", "--model", CLI_MODEL, "--checkpoint",
-            always_900(tmp_path / "900.pth"), "--method", "source", "--workers", 0, "--out", tmp_path / "r.jsonl")
+    r = cli("--data", tmp_path / "c", "--corruptions", "shot_noise", "--model", CLI_MODEL,
+            "--checkpoint", always_900(tmp_path / "900.pth"), "--method", "source",
+            "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
     assert final_record(tmp_path / "r.jsonl")["accuracy"]["shot_noise"] == 100.0  # enumeration: 0
 
@@ -1090,15 +1149,16 @@ def test_cli_imagenet_r_scores_on_the_classes_present(tmp_path):
     names = ImageNetInfo().label_names()
     for k in (1, 900):  # two of ImageNet-R's classes: the head is read at [1, 900] only
         image_folder(tmp_path / "r", names[k])
-    r = cli("--data", tmp_path / "r", "--dataset", "imagenet_r", "--model", CLI_MODEL, "--checkpoint",
-            always_900(tmp_path / "900.pth"), "--method", "tent", "--workers", 0, "--out", tmp_path / "r.jsonl")
+    r = cli("--data", tmp_path / "r", "--dataset", "imagenet_r", "--model", CLI_MODEL,
+            "--checkpoint", always_900(tmp_path / "900.pth"), "--method", "tent",
+            "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
     assert final_record(tmp_path / "r.jsonl")["accuracy"] == {"imagenet_r": 50.0}
 
 
 def bad_input_cases(root, ckpt):
-    ok = ["--data", root, "--corruptions", "gaussian_noise", "--model", CLI_MODEL, "--checkpoint", ckpt]
     run = ["--data", root, "--corruptions", "gaussian_noise", "--model", CLI_MODEL]
+    ok = run + ["--checkpoint", ckpt]
     return {
         "no data root": (["--data", "", "--method", "tent"], "no data root"),
         "missing root": (["--data", "/nonexistent/imagenet-c"], "is not a folder"),
@@ -1124,32 +1184,38 @@ def bad_input_cases(root, ckpt):
                        "--synthetic", "2", "--method", "dp_tent"], "BatchNorm"),
         "checkpoint mismatch": (run + ["--model", "vit_small_patch16_224", "--checkpoint", ckpt],
                                 "does not fit"),
-        "checkpoint empty": (run + ["--checkpoint", os.path.join(root, "empty.pth")], "does not fit"),
+        "checkpoint empty": (run + ["--checkpoint", os.path.join(root, "empty.pth")],
+                             "does not fit"),
         "checkpoint folder": (run + ["--checkpoint", root], "is not a file"),
         "fisher data a file": (ok + ["--method", "eata", "--fisher-data", ckpt], "not a folder"),
-        "fisher data not wnids": (ok + ["--method", "eata", "--fisher-data", root], "expected ROOT/"),
+        "fisher data not wnids": (ok + ["--method", "eata", "--fisher-data", root],
+                                  "expected ROOT/"),
         "fisher data empty": (ok + ["--method", "eata", "--fisher-data",
                                     os.path.join(root, "empty")], "class folder"),
         "imagenet_r on a C tree": (ok + ["--dataset", "imagenet_r"], "expected ROOT/"),
-        "synthetic imagenet_r": (ok + ["--dataset", "imagenet_r", "--synthetic", "4"], "ImageNet-R"),
+        "synthetic imagenet_r": (ok + ["--dataset", "imagenet_r", "--synthetic", "4"],
+                                 "ImageNet-R"),
         "out is a folder": (ok + ["--out", root], "is a folder"),
         "out in a missing folder": (ok + ["--out", "/nonexistent/r.jsonl"], "does not exist"),
         "later folder not a wnid": (["--data", os.path.join(root, "bad"), "--corruptions",
-                                     "gaussian_noise,shot_noise", "--model", CLI_MODEL, "--checkpoint",
-                                     ckpt], "not an ImageNet-1k WordNet id"),
+                                     "gaussian_noise,shot_noise", "--model", CLI_MODEL,
+                                     "--checkpoint", ckpt], "not an ImageNet-1k WordNet id"),
         "later severity empty": (["--data", os.path.join(root, "bad"), "--corruptions",
-                                  "gaussian_noise,impulse_noise", "--model", CLI_MODEL, "--checkpoint",
-                                  ckpt], "class folder"),
+                                  "gaussian_noise,impulse_noise", "--model", CLI_MODEL,
+                                  "--checkpoint", ckpt], "class folder"),
         "later class without images": (["--data", os.path.join(root, "bad"), "--corruptions",
                                         "gaussian_noise,defocus_blur", "--model", CLI_MODEL,
                                         "--checkpoint", ckpt], "no valid file"),
-        "benchmark unknown model": (["--benchmark", "--model", "no_such_net"], "unknown timm model"),
-        "benchmark batchnorm": (["--benchmark", "--model", "resnet18", "--device", "cpu"], "BatchNorm"),
+        "benchmark unknown model": (["--benchmark", "--model", "no_such_net"],
+                                    "unknown timm model"),
+        "benchmark batchnorm": (["--benchmark", "--model", "resnet18", "--device", "cpu"],
+                                "BatchNorm"),
         "benchmark rounds 0": (["--benchmark", "--rounds", "0"], "--rounds must be >= 1"),
         "audit trials 0": (["--audit", "--trials", "0"], "--trials must be >= 100"),
         "audit not private": (["--audit", "--method", "tent"], "needs a dp_ method"),
         "summarize missing": (["--summarize", "/nonexistent.jsonl"], "does not exist"),
-        "summarize truncated": (["--summarize", os.path.join(root, "truncated.jsonl")], ":2 is not"),
+        "summarize truncated": (["--summarize", os.path.join(root, "truncated.jsonl")],
+                                ":2 is not"),
         "resume truncated": (ok + ["--resume", "--out", os.path.join(root, "truncated.jsonl")],
                              ":2 is not a JSON line"),
     }
@@ -1182,7 +1248,8 @@ def test_cli_records_each_corruption_as_it_completes_and_says_clip_only(tree, tm
     out = tmp_path / "r.jsonl"
     r, final = adapt(tree, out, "--method", "dp_tent", "--eps", "inf", "--lr", 0.05)
     assert "clip only (eps = inf), not private" in r.stdout and "-DP" not in r.stdout
-    assert final["ledger"]["private"] is False and final["ledger"]["note"] == "clip only, not private"
+    assert final["ledger"]["private"] is False
+    assert final["ledger"]["note"] == "clip only, not private"
     rs = records(out)
     assert [x["mode"] for x in rs] == ["corruption", "corruption", "adapt"]
     assert [x["corruption"] for x in rs[:2]] == ["gaussian_noise", "shot_noise"]
@@ -1267,8 +1334,8 @@ def test_a_failed_smoke_run_leaves_no_temp_tree(tmp_path):
 
 
 def test_synthetic_smoke_run(tmp_path):
-    r = cli("--synthetic", 4, "--model", CLI_MODEL, "--method", "dp_deyo", "--eps", 5, "--corruptions",
-            "gaussian_noise", "--workers", 0, "--out", tmp_path / "r.jsonl")
+    r = cli("--synthetic", 4, "--model", CLI_MODEL, "--method", "dp_deyo", "--eps", 5,
+            "--corruptions", "gaussian_noise", "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
     assert "SMOKE RUN" in r.stdout and "mean top-1" in r.stdout
 
@@ -1308,7 +1375,8 @@ def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
             + tail) in lines
     assert not any("dp_sar" in line and "--hp" in line for line in lines)  # DP: no filters
     r = grid("tune", "--dry-run", SEEDS="0", SETTINGS="continual")
-    assert "# 1350 cells (tune)" in r.stdout and "speckle_noise,gaussian_blur,spatter,saturate" in r.stdout
+    assert "# 1350 cells (tune)" in r.stdout
+    assert "speckle_noise,gaussian_blur,spatter,saturate" in r.stdout
     r = grid("--dry-run", SEEDS="0", SETTINGS="continual", METHODS="sar", VARIANTS="dp",
              EPSILONS="5 1")
     assert r.stdout.count("python3 dptta.py --method dp_sar") == 2 and "# 2 cells" in r.stdout
@@ -1434,7 +1502,8 @@ def test_summarize_groups_seeds_of_one_cell_only(tmp_path, capsys):
     assert "unfinished runs" in out and "1/1 corruptions: gaussian_noise 40.0" in out
     assert dptta.main(["--summarize", str(path), "--error", "--per-corruption"]) == 0
     out = capsys.readouterr().out
-    assert "error %" in out and f"{100 - np.mean([60, 62, 99]):.1f}" in out and "gaussian_noise" in out
+    assert "error %" in out and "gaussian_noise" in out
+    assert f"{100 - np.mean([60, 62, 99]):.1f}" in out
 
 
 # ----------------------------------------------------------------------------
@@ -1442,8 +1511,8 @@ def test_summarize_groups_seeds_of_one_cell_only(tmp_path, capsys):
 
 def test_benchmark_prints_table_and_json(tmp_path):
     out = tmp_path / "bench.jsonl"
-    r = cli("--benchmark", "--model", CLI_MODEL, "--batch-size", 2, "--device", "cpu", "--rounds", 1,
-            "--workers", 0, "--out", out)
+    r = cli("--benchmark", "--model", CLI_MODEL, "--batch-size", 2, "--device", "cpu",
+            "--rounds", 1, "--workers", 0, "--out", out)
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
     want = ["source"] + [v for b in dptta.BASES for v in (b, b + " clip", "dp_" + b)]
