@@ -361,7 +361,7 @@ class DPTTA(nn.Module):
             for n, p in self.params.items():
                 p.copy_(self.theta0[n])
         self.opt = torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
-        self.ema = self.m = self.g_prev = None  # SAR's loss EMA, EATA's softmax EMA, DP-SAR's last Δ
+        self.ema = self.m = self.g_prev = None  # SAR's loss EMA, EATA's mean p, DP-SAR's last Δ
 
     # -- the few places where methods differ besides ℓ_i ----------------------
     def loss(self, logits, ctx):
