@@ -636,7 +636,8 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
         C, lr = PAPER_CLIP_ONLY[setting][table_base]
         return C, lr, f"paper, clip-only {table_base}, {setting}{note}"
     if not private:
-        return None, PAPER_LR[setting][table_base], f"paper, non-private {table_base}, {setting}{note}"
+        lr = PAPER_LR[setting][table_base]
+        return None, lr, f"paper, non-private {table_base}, {setting}{note}"
     row = PAPER_DP[setting]["dp_" + table_base]
     near = min(row, key=lambda e: abs(math.log(e / eps)))  # nearest tuned ε on a log scale
     if near != eps:
@@ -681,7 +682,8 @@ def parse_args(argv=None):
     g("--clip", type=float, default=None,
       help="per-sample clip norm C; on an original = its clip-only variant (default: the "
            "paper's C for dp_ methods, none for the originals)")
-    g("--lr", type=float, default=None, help="SGD learning rate, momentum 0.9 (default: the paper's)")
+    g("--lr", type=float, default=None,
+      help="SGD learning rate, momentum 0.9 (default: the paper's)")
     g("--hp", action="append", default=[], metavar="NAME=VALUE",
       help=f"a method constant, repeatable: {', '.join(HP_TYPES)}")
     g = ap.add_argument_group("data").add_argument
@@ -711,7 +713,8 @@ def parse_args(argv=None):
     g("--setting", default="continual", choices=("continual", "episodic"),
       help="continual: one model through every corruption (default); episodic: reset model "
            "and optimizer before each")
-    g("--batch-size", type=int, default=None, help="test batch (default 64; --benchmark on CPU: 32)")
+    g("--batch-size", type=int, default=None,
+      help="test batch (default 64; --benchmark on CPU: 32)")
     g("--seed", type=int, default=0, help="data order, noise and patch shuffles (default 0)")
     g("--out", default=None, help="JSON lines are appended here (default results.jsonl; "
                                   "--synthetic: results-smoke.jsonl)")
@@ -722,7 +725,8 @@ def parse_args(argv=None):
     g("--per-corruption", action="store_true", help="--summarize: also a table per corruption")
     g("--error", action="store_true", help="--summarize: error %% (100 − top-1) instead of top-1")
     g("--benchmark", action="store_true", help="time one step of every method: plain, clip, DP")
-    g("--rounds", type=int, default=5, help="--benchmark: timed rounds, median reported (default 5)")
+    g("--rounds", type=int, default=5,
+      help="--benchmark: timed rounds, median reported (default 5)")
     g("--audit", action="store_true", help="empirical ε lower bound of --method at --eps")
     g("--trials", type=int, default=20000, help="--audit: trials per world (default 20000)")
     return ap.parse_args(argv)
@@ -794,10 +798,12 @@ def check_args(args):
     if args.synthetic and args.corruptions == list(CORRUPTIONS):  # keep a smoke run short
         args.corruptions = args.corruptions[:3]
     require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
-    require(args.synthetic or os.path.isdir(args.data), f"--data {args.data} is not a folder; {LAYOUT}")
+    require(args.synthetic or os.path.isdir(args.data),
+            f"--data {args.data} is not a folder; {LAYOUT}")
     for flag in ("checkpoint", "fisher_data"):
         path = getattr(args, flag)
-        require(path is None or os.path.exists(path), f"--{flag.replace('_', '-')} {path} does not exist")
+        require(path is None or os.path.exists(path),
+                f"--{flag.replace('_', '-')} {path} does not exist")
     require(args.checkpoint is None or os.path.isfile(args.checkpoint),
             f"--checkpoint {args.checkpoint} is not a file")
     require(args.fisher_data is None or os.path.isdir(args.fisher_data),
@@ -933,7 +939,9 @@ def print_header(args, adapter, ledger, device, amp, hp_note):
         print(f"privacy: NONE: clip only (eps = inf), not private; C = {adapter.clip:g} "
               f"[{hp_note['clip']}]")
     elif args.method != "source":
-        clip = f"per-sample clip C = {adapter.clip:g} [{hp_note['clip']}]" if adapter.clip else "no clipping"
+        clip = "no clipping"
+        if adapter.clip:
+            clip = f"per-sample clip C = {adapter.clip:g} [{hp_note['clip']}]"
         print(f"not private; {clip}")
     if args.method != "source":
         n = sum(p.numel() for p in adapter.params.values())
@@ -967,12 +975,14 @@ def rate(n, seconds):
 
 
 def theta_is_finite(adapter):
-    return bool(torch.isfinite(torch.cat([p.detach().flatten() for p in adapter.params.values()])).all())
+    finite = [torch.isfinite(p.detach()).all() for p in adapter.params.values()]
+    return bool(torch.stack(finite).all())  # one device sync, not one per tensor
 
 
 def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every):
     """One corruption through the adapter: (correct, scored, unreadable paths)."""
-    correct, seen, unreadable, t0 = torch.zeros((), dtype=torch.long, device=device), 0, [], time.time()
+    correct = torch.zeros((), dtype=torch.long, device=device)  # summed on the device
+    seen, unreadable, t0 = 0, [], time.time()
     for i, (x, y, bad) in enumerate(loader):
         if STOP:  # a signal that a DataLoader's teardown swallowed: stop all the same
             raise KeyboardInterrupt
@@ -1018,7 +1028,8 @@ def main(argv=None):
     args.lr = args.lr if args.lr is not None else lr
     key = run_key(args, "bf16" if amp else "fp32")
     if args.resume and os.path.exists(args.out):
-        if any(r.get("key") == key and r.get("mode") == "adapt" for r in read_jsonl(args.out, "--out")):
+        done = read_jsonl(args.out, "--out")
+        if any(r.get("key") == key and r.get("mode") == "adapt" for r in done):
             print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed} "
                   f"{args.setting}; skipped")
             return 0
@@ -1031,7 +1042,8 @@ def main(argv=None):
     try:
         with contextlib.ExitStack() as cleanup:  # temp trees go on every exit path
             if args.synthetic:
-                args.data = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="dptta-synthetic-"))
+                tree = tempfile.TemporaryDirectory(prefix="dptta-synthetic-")
+                args.data = cleanup.enter_context(tree)
                 make_synthetic_tree(args.data, args.corruptions, args.severity, args.synthetic)
             return adapt_and_record(args, key, out, device, amp, hp_note)
     except KeyboardInterrupt:
@@ -1078,9 +1090,9 @@ def adapt_and_record(args, key, out, device, amp, hp_note):
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=amp)
     if args.fisher_data and adapter.base == "eata":
         loader = image_stream(fisher_set, args.batch_size, seed=args.seed, workers=args.workers)
+        clean = (x.to(device) for x, _, _ in loader if x is not None)
         with autocast:
-            adapter.fisher = fisher_information(
-                model, adapter.params, (x.to(device) for x, _, _ in loader if x is not None), fisher_size)
+            adapter.fisher = fisher_information(model, adapter.params, clean, fisher_size)
     elif args.fisher_data:
         print(f"note: --fisher-data is used by eata and dp_eata only, not {args.method}")
     elif adapter.base == "eata":
@@ -1101,15 +1113,16 @@ def adapt_and_record(args, key, out, device, amp, hp_note):
                                             lookup=lookup, log_every=args.log_every)
         accuracy[c] = 100 * correct / max(seen, 1)
         images, unreadable = images + seen, unreadable + bad
-        if adapter.base != "source":  # ‖θ − θ0‖: how far adaptation has moved (public: a function of θ)
+        if adapter.base != "source":  # ‖θ − θ0‖, how far θ moved (public: a function of θ)
             drift[c] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
                                      for n, p in adapter.params.items()))
         append_jsonl(out, {"mode": "corruption", "run_id": run_id, "key": key, "corruption": c,
                            "accuracy": accuracy[c], "error": 100 - accuracy[c], "images": seen,
-                           "skipped": len(bad), "drift": drift.get(c), "smoke": bool(args.synthetic)})
+                           "skipped": len(bad), "drift": drift.get(c),
+                           "smoke": bool(args.synthetic)})
         note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
-        print(f"{c:<18} top-1 {accuracy[c]:5.1f}% | {seen} images | {rate(seen, time.time() - t0)} | "
-              f"‖θ−θ0‖ {drift.get(c, 0.0):.4f}{note}", flush=True)
+        print(f"{c:<18} top-1 {accuracy[c]:5.1f}% | {seen} images | "
+              f"{rate(seen, time.time() - t0)} | ‖θ−θ0‖ {drift.get(c, 0.0):.4f}{note}", flush=True)
     wall = time.time() - start
     record = run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift,
                         unreadable, images, wall)
@@ -1180,7 +1193,8 @@ def summarize(path, per_corruption=False, error=False):
     for table_key, entries in tables.items():
         k = json.loads(table_key)
         print(f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | "
-              f"batch {k['batch_size']} | {len(k['corruptions'])} corruptions | mean {what} over seeds")
+              f"batch {k['batch_size']} | {len(k['corruptions'])} corruptions | "
+              f"mean {what} over seeds")
         present = {v for _, v, _ in entries}
         columns = [c for c in order if c in present] + sorted(present - set(order))
         rows = {}
@@ -1198,7 +1212,8 @@ def summarize(path, per_corruption=False, error=False):
         if per_corruption:
             print(f"per corruption, {what}:")
             for base, variant, runs in entries:
-                per = {c: cell([r["accuracy"][c] for r in runs], error) for c in runs[0]["accuracy"]}
+                per = {c: cell([r["accuracy"][c] for r in runs], error)
+                       for c in runs[0]["accuracy"]}
                 print(f"  {base} {variant}: " + " | ".join(f"{c} {v}" for c, v in per.items()))
     if duplicates:
         print(f"\n{duplicates} record(s) repeat the seed of an earlier one: the latest is used")

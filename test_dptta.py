@@ -136,9 +136,9 @@ def delta_plrv(eps, sigma):
     """δ(ε) = E[(1 − e^{ε−L})₊], L ~ N(μ²/2, μ²) the privacy loss of μ-GDP, by quadrature."""
     mu = 2 / sigma
 
-    def integrand(l):  # (1 − e^{ε−l}) times the N(μ²/2, μ²) density at l
-        dens = math.exp(-(l - mu * mu / 2) ** 2 / (2 * mu * mu)) / (mu * math.sqrt(2 * math.pi))
-        return (1 - math.exp(eps - l)) * dens
+    def integrand(loss):  # (1 − e^{ε−L}) times the N(μ²/2, μ²) density at L = loss
+        dens = math.exp(-(loss - mu * mu / 2) ** 2 / (2 * mu * mu)) / (mu * math.sqrt(2 * math.pi))
+        return (1 - math.exp(eps - loss)) * dens
 
     return integrate.quad(integrand, eps, eps + 40 * mu, epsabs=1e-14)[0]
 
@@ -470,8 +470,8 @@ def test_dp_step_does_not_peek_at_other_samples(method):
         a(torch.cat([others, last]))
         return torch.cat([(a.theta0[n] - p.detach()).flatten() for n, p in a.params.items()])
 
-    one, other = (update(o, c) - update(o, c2) for o in (images(3, 60, torch.float64),
-                                                            5 * images(3, 61, torch.float64)))
+    company = (images(3, 60, torch.float64), 5 * images(3, 61, torch.float64))
+    one, other = (update(o, c) - update(o, c2) for o in company)
     assert one.abs().max() > 1e-4  # the swap matters ...
     # ... and by the same amount in any company (up to fp32 sums)
     torch.testing.assert_close(one, other, rtol=1e-5, atol=1e-8)
