@@ -674,6 +674,38 @@ def test_the_readmes_cpu_library_example_runs_as_printed(capsys):
     assert dptta.paper_hparams("dp_deyo", eps=5)[:2] == (0.1, 5e-3)
 
 
+PART_ONE_ALONE = """
+import sys
+for name in ("timm", "torchvision", "PIL"):  # what the later parts need
+    sys.modules[name] = None
+import torch, part_one as d
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, 2), torch.nn.GroupNorm(2, 8), torch.nn.ReLU(),
+                        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10))
+for method in ("dp_deyo", "dp_eata", "dp_sar", "sar"):
+    a = d.DPTTA(m, method, **({"eps": 5, "clip": 1.0} if method[:3] == "dp_" else {}), lr=0.1)
+    a(torch.randn(8, 3, 16, 16)), a(torch.randn(8, 3, 16, 16))
+    assert all(torch.isfinite(p).all() for p in a.params.values())
+print(f"{d.calibrate_sigma(eps=5, delta=1e-6):.4f} {d.gdp_epsilon(sigma=1.9601, delta=1e-6):.3f}")
+"""
+
+
+def test_part_one_copied_as_a_block_is_a_library_on_its_own(tmp_path):
+    """Lines 1 to the Part II banner: at most 480 lines of at most 100 characters, and a
+    working library with only torch, numpy and scipy (the later parts' imports are blocked)."""
+    with open(os.path.join(HERE, "dptta.py")) as f:
+        source = f.read()
+    block = source[:source.index("# Part II")].rsplit("# ====", 1)[0].rstrip() + "\n"
+    lines = block.splitlines()
+    assert len(lines) <= 480 and max(map(len, lines)) <= 100
+    assert lines[-1].strip() == "self.opt.step()"  # it ends with the adapter
+    (tmp_path / "part_one.py").write_text(block)
+    r = subprocess.run([sys.executable, "-c", PART_ONE_ALONE], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1.9601", "5.000"]
+
+
 # ----------------------------------------------------------------------------
 # Method hooks: filters, Fisher penalty, SAM / DP-SAT, weighted losses, BatchNorm
 
