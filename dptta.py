@@ -147,9 +147,11 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
         return loss_fn(logits, None if ci is None else ci[None])[0], logits[0]
 
     def batched_pass():
-        grads, logits, step = [], [], chunk_size or len(x)
+        grads, logits = [], []
+        step = chunk_size or len(x)  # samples per pass
         for s in range(0, len(x), step):
-            xs, cs = x[s:s + step], None if ctx is None else ctx[s:s + step]
+            xs = x[s:s + step]
+            cs = None if ctx is None else ctx[s:s + step]
             # [b, *shape] views of θ: 38k scalars a sample for ViT-B/16, nothing copied
             theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
                      for n, p in params.items()}
@@ -157,8 +159,7 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
             grads.append(torch.autograd.grad(losses.sum(), list(theta.values()),
                                              allow_unused=True, materialize_grads=True))
             logits.append(z.detach())
-        g = {n: torch.cat([chunk[k] for chunk in grads]) for k, n in enumerate(params)}
-        return g, torch.cat(logits)
+        return {n: torch.cat(g) for n, g in zip(params, zip(*grads))}, torch.cat(logits)
 
     # CPU's fused attention has no vmap rule, its math backend has; CUDA's kernels batch as is
     cpu = x.device.type == "cpu"
@@ -256,9 +257,9 @@ def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.
 def patch_shuffle(x, grid, generator):
     """x′: each image cut into grid×grid patches, shuffled with its own permutation.
     Pixels beyond the last full patch (H or W not divisible by grid) stay in place."""
-    B, h, w = len(x), x.shape[-2] // grid, x.shape[-1] // grid
+    h, w = x.shape[-2] // grid, x.shape[-1] // grid  # one patch
     patches = F.unfold(x[..., :h * grid, :w * grid], (h, w), stride=(h, w))  # [B, ch·h·w, grid²]
-    perm = torch.rand(B, grid * grid, generator=generator, device=x.device).argsort(1)
+    perm = torch.rand(len(x), grid * grid, generator=generator, device=x.device).argsort(1)
     patches = patches.gather(2, perm[:, None].expand_as(patches))  # patch j ← patch perm_j
     out = x.clone()
     out[..., :h * grid, :w * grid] = F.fold(patches, (h * grid, w * grid), (h, w), stride=(h, w))
@@ -422,7 +423,8 @@ class DPTTA(nn.Module):
             self.tally["nonfinite"] = self.tally.get("nonfinite", 0) + (~finite).sum()
             keep = finite if keep is None else keep & finite
             if keep.any():
-                z, use = functional_call(self.model, p, (x[finite],)), keep[finite]
+                z = functional_call(self.model, p, (x[finite],))
+                use = keep[finite]
                 ctx = None if ctx is None else ctx[finite]
         if keep is not None and not keep.any():
             return logits, None, keep
@@ -465,9 +467,8 @@ class DPTTA(nn.Module):
         return logits.detach()
 
     def _ascent(self, g):
-        # SAM's perturbation ρ·g/‖g‖
         norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt()
-        return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}
+        return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}  # SAM: ρ·g/‖g‖
 
     def _step(self, g):
         for n, p in self.params.items():
