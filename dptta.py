@@ -4,7 +4,8 @@ Reading guide: Part I (to the end of class DPTTA) is DP-TTA itself, to copy as o
 Part II runs it on ImageNet-C from the command line; the Appendix holds the tools.
 
 Test-time adaptation (Tent, EATA, SAR, DeYO, COME) updates a model's normalization layers
-(θ) on unlabeled test batches, leaking the test data. DP-TTA makes each update private:
+(θ) on unlabeled test batches, leaking the test data. DP-TTA makes each update private, so
+that θ and every prediction for *other* images can be released (an image's own goes to it):
 
     g_i = ∇θ ℓ(x_i)                                    one sample's own loss
     Δ   = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B   clip, sum, noise, average
@@ -135,10 +136,11 @@ def adaptable_params(model, *, skip_top=False, private=True):
 
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     """g_i = ∇θ loss_fn(f_θ(x_i), ctx_i) for every sample i: ({name: [B, *shape]}, logits).
-    Sample i gets its own view θ_i of θ; the forward runs under vmap, so ℓ_i sees x_i alone.
-    Then ONE plain backward of Σ_j ℓ_j: only ℓ_i touches θ_i, so its gradient is g_i exactly,
-    and every backward kernel (fused attention's too: no vmap rule) runs once on the batch,
-    not once per sample as under vmap(grad(ℓ)). The model outside params is frozen."""
+    loss_fn: (logits [N, K], ctx [N, ...] or None) -> losses [N]; the rest of the model is
+    frozen. Sample i gets its own view θ_i of θ, and the forward runs under vmap: ℓ_i sees x_i
+    alone. Then ONE plain backward of Σ_j ℓ_j: only ℓ_i touches θ_i, so its gradient is g_i
+    exactly, and every backward kernel (fused attention's too: no vmap rule) runs once on
+    the batch, not once per sample as under vmap(grad(ℓ))."""
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
 
@@ -162,8 +164,7 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
         return {n: torch.cat(g) for n, g in zip(params, zip(*grads))}, torch.cat(logits)
 
     # CPU's fused attention has no vmap rule, its math backend has; CUDA's kernels batch as is
-    cpu = x.device.type == "cpu"
-    with sdpa_kernel(SDPBackend.MATH) if cpu else contextlib.nullcontext():
+    with sdpa_kernel(SDPBackend.MATH) if x.device.type == "cpu" else contextlib.nullcontext():
         return _without_fallback(batched_pass)
 
 
@@ -291,8 +292,8 @@ SHUFFLED = ("deyo", "deyo_come")
 
 
 class DPTTA(nn.Module):
-    """forward(x) predicts with the current θ, then adapts θ on x (SGD, momentum 0.9). method:
-    a table row, dp_<row> or "source"; privacy_unit="photo", repeats=k: σ·√k (k streams)."""
+    """forward(x) predicts with θ, then adapts θ on x. method: a table row, dp_<row> or "source";
+    privacy_unit="photo", repeats=k: σ·√k; fisher: EATA's {name: F}, public (None: no penalty)."""
 
     def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
                  clip=None, lr=None, seed=0, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
