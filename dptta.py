@@ -408,9 +408,9 @@ class DPTTA(nn.Module):
             g, logits = per_sample_grads(self.model, p, self.loss, x, ctx,
                                          chunk_size=self.chunk_size)
             keep = self._keep(logits, ctx, keep)
-            if keep is not None and not keep.any():
-                return logits, None, keep
             if keep is not None:  # originals only: the sample set (and B) is data dependent
+                if not keep.any():
+                    return logits, None, keep
                 g = {n: t[keep] for n, t in g.items()}
             g = clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally)
             return logits, g, keep
