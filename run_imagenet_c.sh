@@ -41,17 +41,31 @@ trap 'exit 143' TERM
 if [ $tuned = 1 ] && [ ! -f "$TUNED" ]; then
   echo "run_imagenet_c.sh: $TUNED missing: run the tune stage first" >&2; exit 2
 fi
+case $EXTRA in *[\"\'\\]*)  # EXTRA is split at spaces: a quote would reach dptta.py as is
+  echo "run_imagenet_c.sh: EXTRA is split at spaces; quotes and backslashes cannot protect a" \
+       "path with spaces: use a path (or a symlink) without spaces" >&2; exit 2 ;;
+esac
 
 # One line of dptta.py flags per cell, from dptta's own tables of the paper's values.
 grid() {
   STAGE=$stage SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS \
   EPSILONS=$EPSILONS TUNED=$([ $tuned = 1 ] && echo "$TUNED") python3 - <<'PY'
-import itertools, json, os
+import itertools, json, os, sys
 import dptta
 env = {k: os.environ[k].split() for k in ("SEEDS", "SETTINGS", "METHODS", "VARIANTS", "EPSILONS")}
-for m in env["METHODS"]:
-    assert m in ("source",) + dptta.BASES and m != "come", f"METHODS: {m} is not in the paper's grid"
 tuned = json.load(open(os.environ["TUNED"])) if os.environ["TUNED"] else {}
+allowed = {"METHODS": ("source",) + tuple(b for b in dptta.BASES if b != "come"),
+           "VARIANTS": ("plain", "clip", "dp"), "SETTINGS": ("continual", "episodic"),
+           "EPSILONS": ("20", "15", "10", "5", "1") if os.environ["STAGE"] == "main" and not tuned
+           else tuple(env["EPSILONS"])}
+for name, values in env.items():  # one line and exit 2, before any cell
+    for v in values:
+        number = v.replace(".", "", 1).replace("e-", "", 1).isdigit() and 0 < float(v) < 1e9
+        if (name == "SEEDS" and not v.isdigit() or name == "EPSILONS" and not number
+                or name in allowed and v not in allowed[name]):
+            print(f"run_imagenet_c.sh: {name}={v!r} is not one of "
+                  f"{' '.join(allowed.get(name, ['0', '1', '...']))}", file=sys.stderr)
+            sys.exit(2)
 methods = [m for m in env["METHODS"] if m != "source"]
 epsilons = [int(e) if float(e).is_integer() else float(e) for e in env["EPSILONS"]]
 
@@ -87,7 +101,9 @@ else:
 PY
 }
 
-if ! cells_text=$(grid); then
+rc=0; cells_text=$(grid) || rc=$?
+if [ $rc = 2 ]; then exit 2; fi  # a bad value, named above
+if [ $rc != 0 ]; then
   echo "run_imagenet_c.sh: could not list the grid (is the environment with torch and timm" \
        "active? see the error above)" >&2
   exit 1
@@ -109,7 +125,21 @@ if [ $dry = 1 ]; then
   exit 0
 fi
 
+# Once, before any cell: the data root and the weights (offline, each cell would otherwise
+# spend a minute in download retries and fail)
 # shellcheck disable=SC2086  # a cell and EXTRA are lists of flags: split them into words
+python3 - $EXTRA <<'PY' || exit 2
+import os, sys
+import dptta
+args = dptta.parse_args(sys.argv[1:])
+if not args.synthetic:
+    dptta.require(args.data and os.path.isdir(args.data),
+                  f"IMAGENET_C={args.data or ''} is not a folder: set IMAGENET_C, or --data in EXTRA")
+    if not args.checkpoint:
+        dptta.build_model(args.model or dptta.DEFAULT_MODEL)  # fetched once, or one line and exit 2
+PY
+
+# shellcheck disable=SC2086
 if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then  # one cell per array task; the summary is yours
   exec python3 dptta.py ${cells[$SLURM_ARRAY_TASK_ID]} --out "$out" --resume $EXTRA
 fi
