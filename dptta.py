@@ -980,8 +980,8 @@ def check_args(args):
         args.delta = 1e-6
     require(args.privacy_unit == "image" or noisy,
             "--privacy-unit photo applies to a dp_ method with a finite --eps")
-    require(args.method != "source" or (args.clip is None and args.lr is None),
-            "source adapts nothing: --clip and --lr do not apply")
+    require(args.method != "source" or all(v is None for v in (args.clip, args.lr, args.bn)),
+            "source adapts nothing: --clip, --lr and --bn do not apply")
     if args.fisher_data and base != "eata":  # EXTRA of a grid passes it to every cell
         print(f"note: --fisher-data is for eata and dp_eata only; {args.method} ignores it")
         args.fisher_data = None
@@ -1211,6 +1211,10 @@ def print_header(args, adapter, ledger, device, amp, hp_note):
         hp = "".join(f" | {k}={v:g}" for k, v in args.hp.items())
         print(f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting "
               f"{len(adapter.params)} tensors, {n:,} scalars{hp}")
+    if "bn" in ledger:
+        print("BatchNorm: " + ("the test batch's statistics (train mode, as Tent)" if
+                               adapter.bn == "train" else "frozen at the source's running "
+                               "statistics (eval mode: a per-sample map)"))
 
 
 def run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift, unreadable,
@@ -1375,6 +1379,8 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
         print(f"note: {args.method} without --fisher-data: no anti-forgetting penalty",
               file=sys.stderr)
     ledger = privacy_ledger(adapter, len(args.corruptions))
+    if any(isinstance(m, BATCH_NORM) for m in model.modules()):
+        ledger["bn"] = adapter.bn  # which BatchNorm mode ran
     print_header(args, adapter, ledger, device, amp, hp_note)
     n = min(min(len(ds) for ds in streams.values()), args.limit or math.inf)
     if ledger["private"] and args.delta >= 1 / n:  # δ is a chance of releasing an image outright
@@ -1559,7 +1565,7 @@ def benchmark(args):
     # random weights: open every filter so that each step is a full one (H <= ln K always,
     # so margins of 1.01·ln K keep every sample; PLPD >= −1; SAR never resets)
     wide_open = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
-                     reset_ema=-math.inf)
+                     reset_ema=-math.inf, bn=args.bn or "train")
     variants = {"source": DPTTA(model, "source")}
     try:  # each its own copy of the model: adapters never share θ
         for b in BASES:

@@ -19,6 +19,7 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+import torchvision
 from PIL import Image
 from scipy import integrate
 
@@ -319,6 +320,124 @@ def test_every_clipped_step_runs_without_a_per_sample_loop(make):
             a(x), a(images(6, seed=2))
         moved = sum((p - a.theta0[n]).abs().sum().item() for n, p in a.params.items())
         assert moved > 0 and all(torch.isfinite(p).all() for p in a.params.values()), method
+
+
+# ----------------------------------------------------------------------------
+# The models it runs (README "Models"): each family's per-sample pass, no per-sample loop
+
+class HFOutput(dict):
+    """A stand-in for a Hugging Face ModelOutput: a dict whose .logits is its "logits"."""
+    logits = property(lambda self: self["logits"])
+
+
+class ReturnsObject(nn.Module):  # how Hugging Face classifiers answer (transformers: no dep)
+    def __init__(self, wrap):
+        super().__init__()
+        self.net, self.wrap = tiny_groupnorm_cnn(torch.float64), wrap
+
+    def forward(self, x):
+        return self.wrap(logits=self.net(x))
+
+
+VIT = dict(img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2, num_classes=K)
+TV = torchvision.models
+MODELS = {  # family -> a tiny random config (BatchNorm models run with bn="source")
+    "timm ViT": lambda: timm.create_model("vit_tiny_patch16_224", **VIT),
+    "timm DeiT (distilled)": lambda: timm.create_model("deit_tiny_distilled_patch16_224", **VIT),
+    "timm ViT + registers": lambda: timm.create_model("vit_base_patch16_reg4_gap_256", **VIT),
+    "timm Swin": lambda: timm.create_model("swin_tiny_patch4_window7_224", img_size=32,
+                                           window_size=4, embed_dim=16, depths=(1, 1),
+                                           num_heads=(1, 2), num_classes=K),
+    "timm BEiT": lambda: timm.create_model("beit_base_patch16_224", **VIT),
+    "timm EVA-02": lambda: timm.create_model("eva02_tiny_patch14_224", **VIT),
+    "timm CaiT": lambda: timm.create_model("cait_xxs24_224", depth_token_only=1, **VIT),
+    "timm ConvNeXt": lambda: timm.create_model("convnext_tiny", depths=(1, 1, 1, 1),
+                                               dims=(8, 8, 16, 16), num_classes=K),
+    "timm PVT-v2": lambda: timm.create_model("pvt_v2_b0", depths=(1, 1, 1, 1),
+                                             embed_dims=(8, 16, 16, 32), num_heads=(1, 1, 2, 2),
+                                             num_classes=K),
+    "timm EdgeNeXt": lambda: timm.create_model("edgenext_xx_small", depths=(1, 1, 1, 1),
+                                               dims=(8, 16, 16, 32), num_classes=K),
+    "timm ResNet-50-GN": lambda: timm.create_model("resnet50_gn", layers=(1, 1, 1, 1),
+                                                   num_classes=K),
+    "timm XCiT (BN)": lambda: timm.create_model("xcit_nano_12_p16_224", img_size=32, depth=2,
+                                                num_classes=K),
+    "timm MobileViT-v2 (BN)": lambda: timm.create_model("mobilevitv2_050", num_classes=K),
+    "torchvision ViT": lambda: TV.VisionTransformer(image_size=32, patch_size=8, num_layers=2,
+                                                    num_heads=2, hidden_dim=16, mlp_dim=32,
+                                                    num_classes=K),
+    "torchvision Swin": lambda: TV.swin_transformer.SwinTransformer(
+        patch_size=[4, 4], embed_dim=8, depths=[1, 1], num_heads=[1, 2], window_size=[2, 2],
+        num_classes=K),
+    "torchvision ConvNeXt": lambda: TV.convnext.ConvNeXt(
+        [TV.convnext.CNBlockConfig(8, 16, 1), TV.convnext.CNBlockConfig(16, None, 1)],
+        num_classes=K),
+    "torchvision ResNet-18 (BN)": lambda: TV.resnet18(num_classes=K),
+    "ModelOutput (.logits)": lambda: ReturnsObject(HFOutput),
+    "dict (['logits'])": lambda: ReturnsObject(dict),
+}
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_model_table_per_sample_pass_is_exact_with_no_per_sample_loop(family):
+    """dp_tent's pass on each family, vmap's fallback disabled, against a float64 loop that
+    feeds each image twice with half the loss (on CPU, BatchNorm2d's backward is wrong for a
+    batch of ONE with channels-last gradients, as XCiT's patch embedding sends: torch 2.14)."""
+    torch.manual_seed(0)
+    m = MODELS[family]().double().eval()
+    with torch.no_grad():  # random heads are near zero (torchvision's ViT: exactly): spread them
+        head = [mod for mod in m.modules() if isinstance(mod, nn.Linear)][-1]
+        head.weight.normal_(0, 1)
+    bn = "BN" in family
+    a = dptta.DPTTA(m, "dp_tent", eps=5, clip=1e9, lr=1e-3, bn="source" if bn else "train")
+    side = 64 if "MobileViT" in family else 32
+    x = torch.randn(3, 3, side, side, generator=torch.Generator().manual_seed(1),
+                    dtype=torch.float64)
+    with no_vmap_fallback():
+        g, logits = dptta.per_sample_grads(m, a.params, entropy_loss, x)
+    for i in range(len(x)):  # the oracle: image i twice, half the loss, an ordinary backward
+        z = dptta.logits_of(m(x[i:i + 1].repeat(2, 1, 1, 1)))
+        want = torch.autograd.grad(dptta.entropy(z).sum() / 2, list(a.params.values()))
+        scale = max(w.abs().max().item() for w in want)  # (a zero-init branch: some are 0)
+        assert scale > 0
+        for n, w in zip(a.params, want):
+            torch.testing.assert_close(g[n][i], w, rtol=1e-8, atol=1e-10 * scale)
+    torch.testing.assert_close(logits, dptta.logits_of(m(x)))
+    with no_vmap_fallback():  # and a whole private step
+        assert a(x).shape == (3, K)
+
+
+def test_batchnorm_at_source_statistics_adapts_per_sample_and_train_mode_never_does():
+    """bn="source": BN normalizes with its running statistics (eval mode, never updated), a
+    per-sample map, so dp_ and clip may adapt its affine parameters. Train-mode BN couples the
+    batch: refused at the adapter (naming bn="source") and at the per-sample pass itself."""
+    m = tiny_bn_cnn()
+    stats = {n: b.clone() for n, b in m.named_buffers()}
+    a = dptta.DPTTA(m, "dp_tent", eps=5, clip=1.0, lr=0.1, bn="source")
+    assert sorted(a.params) == ["1.bias", "1.weight", "4.bias", "4.weight"]
+    for s in range(2):
+        a(images(6, s, torch.float64))
+    assert not m[1].training and not m[4].training
+    assert all(torch.equal(stats[n], b) for n, b in m.named_buffers())  # never updated
+    assert any(not torch.equal(a.theta0[n], p) for n, p in a.params.items())
+    with pytest.raises(ValueError, match='bn="source"'):
+        dptta.DPTTA(tiny_bn_cnn(), "dp_tent", eps=5, clip=1.0, lr=0.1)
+    m.train()  # a caller's train() after the fact: the per-sample pass still refuses
+    with pytest.raises(ValueError, match="train mode: no per-sample gradients"):
+        a(images(6, 3, torch.float64))
+    with pytest.raises(ValueError, match="train mode"):
+        dptta.per_sample_grads(m, a.params, entropy_loss, images(2, dtype=torch.float64))
+
+
+def test_a_model_that_returns_neither_logits_nor_an_object_with_them_is_one_clear_error():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x.mean((2, 3)), x.amax((2, 3))
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.GroupNorm(2, 4), Pair())
+    with pytest.raises(TypeError, match="returned a tuple; DPTTA needs logits") as e:
+        dptta.DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=0.1)(images(2))
+    assert "\n" not in str(e.value)
 
 
 def test_fallback_switch_catches_the_old_per_sample_path():
@@ -1100,8 +1219,9 @@ def test_adaptation_beats_the_frozen_source_on_a_shift(trained_on_gratings, meth
         kwargs = dict(eps=5, clip=1.0)
     elif method in ("eata", "sar", "deyo", "deyo_come"):
         # 10 classes: with ImageNet's margins, and EATA's |cos(m, p)| < 0.05 (rare between
-        # 10-way softmaxes), the filters would keep almost nothing
-        kwargs = dict(e_margin=0.9, deyo_margin=0.9, d_margin=1.0)
+        # 10-way softmaxes), the filters would keep almost nothing; DeYO's PLPD > 0.2 keeps so
+        # few that its gain rode on float rounding (-0.1 to +3.8 points): 0.1, gains >= 2.9
+        kwargs = dict(e_margin=0.9, deyo_margin=0.9, d_margin=1.0, plpd_threshold=0.1)
     source = accuracy("source")
     # lr 1e-2: every variant gains >= 2.3 points here, so 1 point is not at the mercy of
     # float rounding (at 5e-3, DeYO-COME gained 0.98 on one CPU and more on another)
