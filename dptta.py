@@ -316,6 +316,15 @@ def patch_shuffle(x, grid, generator):
     return out
 
 
+def bn_moments(x, mean, var, eps):
+    """DP-Norm's per-sample view of a BatchNorm layer's input x [B, C, ...]: v_i = (mean z,
+    mean z² − 1) ∈ R^{2C}, z = (x − μ_src)/√(var_src + eps). Measured from the public source
+    point (v = 0 there), so that clipping shrinks toward the source, not toward 0."""
+    z = at_least_fp32(x.flatten(2) if x.dim() > 2 else x[..., None])  # [B, C, H·W]
+    z = (z - mean[:, None]) / (var[:, None] + eps).sqrt()
+    return torch.cat([z.mean(-1), z.pow(2).mean(-1) - 1], 1)
+
+
 # -- The methods -------------------------------------------------------------
 # H: softmax entropy; H_come: COME's opinion entropy; E0 = e_margin·ln K.
 # method     per-sample loss ℓ_i          original's filter          norms  extra term
@@ -326,6 +335,9 @@ def patch_shuffle(x, grid, generator):
 # deyo       (exp(E0 − H) + e^PLPD)·H     H < deyo_margin·ln K,      lower  x′ = patch shuffle
 #                                         PLPD > plpd_threshold             of x, for PLPD
 # deyo_come  as deyo, H_come for H        as deyo, with H_come       lower  as deyo
+# norm       no loss, no step: every BatchNorm layer normalizes with the test batch's statistics
+# dp_norm    no step: BN layer l normalizes with an average of private_bn_stats releases, σ_l =
+#            √L·σ for L layers (L releases of (2/σ_l)-GDP compose to (2/σ)-GDP per image)
 # dp_<method>: the same ℓ_i, clipped and noised, NO filter (whether sample i counts must
 # not depend on sample j, and a kept count is itself data); EATA's penalty is added after
 # the noise (it reads θ, θ0 and public F only); SAR ascends along the previous private
@@ -333,7 +345,8 @@ def patch_shuffle(x, grid, generator):
 # noise (the paper's clip-only variants). "lower": the norms below the trunk's top.
 
 BASES = ("tent", "come", "eata", "sar", "deyo", "deyo_come")
-METHODS = ("source",) + BASES + tuple("dp_" + b for b in BASES)
+NORM_METHODS = ("norm", "dp_norm")  # statistics, not gradients
+METHODS = ("source",) + BASES + tuple("dp_" + b for b in BASES) + NORM_METHODS
 COME_LOSS = ("come", "deyo_come")
 WEIGHTED = ("eata", "deyo", "deyo_come")
 LOWER_NORMS = ("sar", "deyo", "deyo_come")
@@ -354,7 +367,8 @@ class DPTTA(nn.Module):
     def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
                  clip=None, lr=None, seed=0, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
                  d_margin=0.05, rho=0.05, reset_ema=0.2, deyo_margin=0.5, plpd_threshold=0.2,
-                 patch_grid=4, num_classes=None, bn="train", chunk_size="auto"):
+                 patch_grid=4, num_classes=None, bn="train", bn_scale=0.5, bn_momentum=0.1,
+                 bn_floor=0.1, bn_layers=None, chunk_size="auto"):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
@@ -366,10 +380,11 @@ class DPTTA(nn.Module):
         for wrong, problem in (  # the first thing wrong, as one line
                 (private and eps is None, f"{method} needs eps (inf = clip only, no noise)"),
                 (not private and eps is not None, f"eps is for the dp_ methods only, not {method}"),
-                (private and clip is None, f"{method} needs clip, the per-sample clip norm C"),
+                (private and clip is None and method != "dp_norm",
+                 f"{method} needs clip, the per-sample clip norm C"),
                 (clip is not None and not 0 < clip < math.inf,
                  f"clip must be finite and > 0 (None: no clip), got {clip}"),
-                (method != "source" and not 0 < (lr or 0) < math.inf,
+                (method not in ("source",) + NORM_METHODS and not 0 < (lr or 0) < math.inf,
                  f"{method} needs a finite lr > 0, got {lr}"),
                 (privacy_unit not in ("image", "photo"), "privacy_unit is 'image' or 'photo'"),
                 (not (isinstance(repeats, int) and repeats >= 1), "repeats must be an int >= 1"),
@@ -379,16 +394,20 @@ class DPTTA(nn.Module):
         self.delta = delta if self.private else None
         k = repeats if privacy_unit == "photo" else 1  # a photo's k releases are (ε, δ)-DP
         self.sigma = calibrate_sigma(eps=eps, delta=delta, repeats=k) if self.private else 0.0
+        self.releases = 1  # per image: one gradient step, or dp_norm's L layers
         self.clip = None if clip is None else float(clip)
         self.lr = None if lr is None else float(lr)
         self.bn = bn
         self.model = model.eval()  # eval: no dropout, nothing random under vmap, BN frozen
         self.model.requires_grad_(False)
+        self.bn_src = {}  # dp_norm: {layer: its source (running_mean, running_var)}
         if self.base == "source":
             return
-        self.model_params = adaptable_params(model, skip_top=self.base in LOWER_NORMS,
-                                             private=self.clip is not None and bn == "train")
         self._claim()
+        if self.base == "norm":
+            self._norm_setup(bn_layers)
+        self.model_params = {} if self.base == "norm" else adaptable_params(
+            model, skip_top=self.base in LOWER_NORMS, private=self.clip is not None and bn == "train")
         # θ: fp32 masters of a bf16/fp16 model's parameters (an update below bf16's step at
         # 1.0, 2^-7, would round away), written back rounded after each step; else θ itself
         self.params = {n: p if p.dtype in (torch.float32, torch.float64) else p.detach().float()
@@ -397,16 +416,17 @@ class DPTTA(nn.Module):
             raise ValueError("fisher must have one tensor per adapted parameter (see .params)")
         for p in self.params.values():
             p.requires_grad_(True)
-        for m in model.modules():  # bn="train" (originals only) as Tent: BN normalizes with the
-            if isinstance(m, BATCH_NORM) and bn == "train":  # test batch's own statistics
+        for m in model.modules():  # bn="train" (originals, norm) as Tent: BN normalizes with
+            if isinstance(m, BATCH_NORM) and bn == "train" and not self.bn_src:  # the test batch
                 m.train()
                 m.track_running_stats = False
         self.hp = dict(e_margin=e_margin, d_margin=d_margin, rho=rho, reset_ema=reset_ema,
                        deyo_margin=deyo_margin, plpd_threshold=plpd_threshold,
-                       patch_grid=patch_grid, fisher_lambda=fisher_lambda, num_classes=num_classes)
+                       patch_grid=patch_grid, fisher_lambda=fisher_lambda, num_classes=num_classes,
+                       bn_scale=bn_scale, bn_momentum=bn_momentum, bn_floor=bn_floor)
         come = partial(come_entropy, num_classes=num_classes)
         self.ent = come if self.base in COME_LOSS else entropy
-        device = next(iter(self.params.values())).device
+        device = next(model.parameters()).device
         # chunks of 8 on CPU stay in cache (ViT-S/16, 2 cores: 0.96x Tent's step; all 32: 1.42x)
         cpu_chunk = 8 if device.type == "cpu" else None
         self.chunk_size = cpu_chunk if chunk_size == "auto" else chunk_size
@@ -420,11 +440,24 @@ class DPTTA(nn.Module):
 
     def _claim(self):
         """One live adapter per model: two would share θ, and one's reset() would reset both."""
-        taken = [n for n, p in self.model_params.items() if id(p) in _ADAPTED]
+        taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED]
         if taken:
             raise ValueError(f"{taken[0]} is adapted by another live DPTTA (they would share θ); "
                              "give this one copy.deepcopy(model), or del the other first")
-        _ADAPTED.update({id(p): self for p in self.model_params.values()})
+        _ADAPTED.update({id(p): self for p in self.model.parameters()})
+
+    def _norm_setup(self, layers):
+        """norm: BN on the test batch (train mode, below). dp_norm: the first `layers` BN layers
+        (None: all) in eval mode, with private statistics; L releases per image, so σ·√L."""
+        bns = [(n, m) for n, m in self.model.named_modules() if isinstance(m, BATCH_NORM)]
+        if not bns or self.bn != "train":
+            raise ValueError(f"{self.method} re-estimates BatchNorm statistics: it needs a model "
+                             "with BatchNorm, and no bn='source'")
+        if self.private:
+            self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone())
+                           for n, m in bns[:layers]}
+            self.releases = len(self.bn_src)
+            self.sigma *= math.sqrt(self.releases)
 
     def __setstate__(self, state):
         """copy.copy, copy.deepcopy, pickle: the copy draws fresh noise from OS entropy, never
@@ -441,9 +474,9 @@ class DPTTA(nn.Module):
         if self.base == "source":
             return {}
         return {"method": self.method, "sigma": self.sigma, "theta": dict(self.params),
-                "theta0": self.theta0, "opt": self.opt.state_dict(), "ema": self.ema,
-                "m": self.m, "g_prev": self.g_prev, "noise": self.noise_gen.get_state(),
-                "shuffle": self.shuffle_gen.get_state()}
+                "theta0": self.theta0, "opt": self.opt and self.opt.state_dict(),
+                "ema": self.ema, "m": self.m, "g_prev": self.g_prev, "bn_ema": self.bn_ema,
+                "noise": self.noise_gen.get_state(), "shuffle": self.shuffle_gen.get_state()}
 
     def set_extra_state(self, state):
         if self.base == "source":
@@ -455,8 +488,10 @@ class DPTTA(nn.Module):
         with torch.no_grad():
             for n, t in self.theta0.items():
                 t.copy_(state["theta0"][n])
-        self.opt.load_state_dict(state["opt"])
+        if self.opt:
+            self.opt.load_state_dict(state["opt"])
         self.ema, self.m, self.g_prev = state["ema"], state["m"], state["g_prev"]
+        self.bn_ema = state["bn_ema"]
         self.noise_gen.set_state(state["noise"])
         self.shuffle_gen.set_state(state["shuffle"])
 
@@ -465,8 +500,13 @@ class DPTTA(nn.Module):
         if self.base == "source":
             return
         self._set_theta(self.theta0)
-        self.opt = torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
+        self.opt = self.params and torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
         self.ema = self.m = self.g_prev = None  # SAR's loss EMA, EATA's mean p, DP-SAR's last Δ
+        # dp_norm: the average of the releases in z-space, from the source's (0, 1)
+        self.bn_ema = {n: (0 * m, 0 * m + 1) for n, (m, _) in self.bn_src.items()}
+        for bn, (mean, var) in self.bn_src.items():
+            self.model.get_submodule(bn).running_mean.copy_(mean)
+            self.model.get_submodule(bn).running_var.copy_(var)
 
     def _set_theta(self, values):  # θ, and a bf16/fp16 model's copy of its fp32 masters, rounded
         with torch.no_grad():
@@ -545,8 +585,12 @@ class DPTTA(nn.Module):
         return logits, {n: at_least_fp32(t) for n, t in zip(p, g)}, keep
 
     def forward(self, x):
-        if self.base == "source" or not len(x):  # an empty batch: no logits to learn from
-            with torch.no_grad():
+        if self.base in ("source", "norm") or not len(x):  # no step (nothing to learn from)
+            with torch.no_grad(), contextlib.ExitStack() as hooks:
+                for bn in self.bn_src if len(x) else ():  # dp_norm: each layer's statistics
+                    hook = partial(self._release_stats, bn)
+                    hooks.callback(self.model.get_submodule(bn).register_forward_pre_hook(
+                        hook).remove)
                 return logits_of(self.model(x))
         # called from inference code (no_grad, inference_mode), it adapts all the same
         with torch.inference_mode(False), torch.enable_grad():
@@ -581,6 +625,22 @@ class DPTTA(nn.Module):
             if g is not None:  # a batch in which no sample survives the filters: no step
                 self._step(g)
         return logits
+
+    def _release_stats(self, name, bn, args):
+        """dp_norm, before BN layer `name` normalizes (eval mode): the average of its private
+        releases becomes its statistics (post-processing). The variance is floored: a noisy
+        E[z²] − (E z)² near 0 would blow the activations up."""
+        mean, var = self.bn_src[name]
+        v = bn_moments(args[0], mean, var, bn.eps)
+        # (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B, c = scale·√(2C): a (2/σ_l)-GDP release
+        s = clip_and_noise({"v": v}, self.hp["bn_scale"] * math.sqrt(v.shape[1]), self.sigma,
+                           self.noise_gen)["v"]
+        m, v = s[:len(mean)], s[len(mean):] + 1 - s[:len(mean)] ** 2  # E z, E[z²] − (E z)²
+        k, (m0, v0) = self.hp["bn_momentum"], self.bn_ema[name]  # EMA: ← (1 − k)·old + k·new
+        m, v = (1 - k) * m0 + k * m, ((1 - k) * v0 + k * v).clamp(min=self.hp["bn_floor"])
+        self.bn_ema[name] = m, v
+        bn.running_mean.copy_(mean + (var + bn.eps).sqrt() * m)  # μ = μ_src + σ_src·E z
+        bn.running_var.copy_((var + bn.eps) * v)  # as train mode's: σ_src²·var z
 
     def _ascent(self, g):
         norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt()
@@ -774,8 +834,10 @@ PAPER_CONSTANTS = {"sar": {"e_margin": 0.5}, "deyo": {"plpd_threshold": 0.3},
 # with the open interval each must lie in
 HP_TYPES = {"e_margin": float, "d_margin": float, "rho": float, "reset_ema": float,
             "deyo_margin": float, "plpd_threshold": float, "patch_grid": int,
-            "fisher_lambda": float, "fisher_size": int, "num_classes": int}
-HP_RANGE = {"e_margin": (0, math.inf), "d_margin": (0, math.inf), "rho": (0, math.inf),
+            "fisher_lambda": float, "fisher_size": int, "num_classes": int, "bn_scale": float,
+            "bn_momentum": float, "bn_floor": float, "bn_layers": int}
+HP_RANGE = {"bn_scale": (0, math.inf), "bn_momentum": (0, math.nextafter(1, 2)),
+            "bn_floor": (-math.inf, math.inf), "bn_layers": (0, math.inf), "e_margin": (0, math.inf), "d_margin": (0, math.inf), "rho": (0, math.inf),
             "reset_ema": (-math.inf, math.inf), "deyo_margin": (0, math.inf),
             "plpd_threshold": (-1, 1), "patch_grid": (1, math.inf),
             "fisher_lambda": (0, math.inf), "fisher_size": (0, math.inf),
@@ -787,6 +849,8 @@ def constants_used(method, fisher=False):
     originals, clipped or not), EATA's Fisher constants only with a Fisher."""
     private, base = method.startswith("dp_"), method.removeprefix("dp_")
     used = {"rho"} if base == "sar" else set()
+    if method == "dp_norm":
+        used |= {"bn_scale", "bn_momentum", "bn_floor", "bn_layers"}
     if base in WEIGHTED:  # the weight exp(E0 − H), E0 = e_margin·ln K
         used |= {"e_margin", "num_classes"}
     if base in COME_LOSS:  # u = K/S
@@ -806,8 +870,8 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
     """(C, lr, where they come from) of the paper's tables for this method, ε and setting;
     clip given for an original: its clip-only variant."""
     private, base = method.startswith("dp_"), method.removeprefix("dp_")
-    if base == "source":
-        return None, None, "no adaptation"
+    if base in ("source", "norm"):
+        return None, None, "no gradient step"
     table_base, note = base, ""
     if base == "come":  # the paper tunes COME only inside DeYO; Tent shares its all-norms setup
         table_base, note = "tent", "; no entry for COME alone, Tent's used"
@@ -980,8 +1044,8 @@ def check_args(args):
         args.delta = 1e-6
     require(args.privacy_unit == "image" or noisy,
             "--privacy-unit photo applies to a dp_ method with a finite --eps")
-    require(args.method != "source" or all(v is None for v in (args.clip, args.lr, args.bn)),
-            "source adapts nothing: --clip, --lr and --bn do not apply")
+    require(base not in ("source", "norm") or all(v is None for v in (args.clip, args.lr, args.bn)),
+            f"{args.method} takes no gradient step: --clip, --lr and --bn do not apply")
     if args.fisher_data and base != "eata":  # EXTRA of a grid passes it to every cell
         print(f"note: --fisher-data is for eata and dp_eata only; {args.method} ignores it")
         args.fisher_data = None
@@ -1166,13 +1230,14 @@ def privacy_ledger(adapter, streams):
     if adapter.sigma == 0:
         return {"private": False, "clip_only": True, "note": "clip only, not private",
                 "eps": adapter.eps, "clip": adapter.clip}
-    s, d = adapter.sigma, adapter.delta
+    s, d = adapter.sigma / math.sqrt(adapter.releases), adapter.delta  # σ of the image's μ
     unit = "one test image, replace-one neighbours, used in one step"
     if adapter.privacy_unit == "photo":
         unit = f"one photo, replace-one neighbours, in each of its {streams} streams"
     return {"private": True, "eps": adapter.eps, "delta": d, "sigma": s, "mu": 2 / s,
             "clip": adapter.clip, "privacy_unit": adapter.privacy_unit, "unit": unit,
             "repeats": streams,  # one photo in k streams: μ√k-GDP, i.e. σ/√k
+            "releases": adapter.releases, "sigma_per_release": adapter.sigma,
             "eps_per_test_image": gdp_epsilon(sigma=s, delta=d),
             "eps_per_underlying_image": gdp_epsilon(sigma=s / math.sqrt(streams), delta=d)}
 
@@ -1189,24 +1254,24 @@ def print_header(args, adapter, ledger, device, amp, hp_note):
           f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | "
           f"seed {args.seed}")
     k = len(args.corruptions)
+    clip = f"C = {adapter.clip:g} [{hp_note['clip']}]" if adapter.clip else ""
+    if args.method == "dp_norm":  # L releases per image: σ_l = √L·σ each
+        clip = (f"L = {adapter.releases} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}, "
+                f"moments clipped to {adapter.hp['bn_scale']:g}·√(2·channels)")
     if ledger["private"]:
         print(f"privacy: ({args.eps:g}, {args.delta:g})-DP per {adapter.privacy_unit}: "
-              f"σ = {adapter.sigma:.4f}, μ = 2/σ = {ledger['mu']:.4f}-GDP per test image, "
-              f"C = {adapter.clip:g} [{hp_note['clip']}]")
+              f"σ = {ledger['sigma']:.4f}, μ = 2/σ = {ledger['mu']:.4f}-GDP per test image, "
+              f"{clip}")
         print(f"  unit: {ledger['unit']}; released: adapted θ and every prediction for "
               "other images")
         if k > 1:
             print(f"  per test image ε = {ledger['eps_per_test_image']:.3g}; per photo in all "
                   f"{k} streams (μ√k) ε = {ledger['eps_per_underlying_image']:.3g}")
     elif ledger.get("clip_only"):
-        print(f"privacy: NONE: clip only (eps = inf), not private; C = {adapter.clip:g} "
-              f"[{hp_note['clip']}]")
+        print(f"privacy: NONE: clip only (eps = inf), not private; {clip}")
     elif args.method != "source":
-        clip = "no clipping"
-        if adapter.clip:
-            clip = f"per-sample clip C = {adapter.clip:g} [{hp_note['clip']}]"
-        print(f"not private; {clip}")
-    if args.method != "source":
+        print(f"not private; {'per-sample clip ' + clip if adapter.clip else 'no clipping'}")
+    if adapter.params:
         n = sum(p.numel() for p in adapter.params.values())
         hp = "".join(f" | {k}={v:g}" for k, v in args.hp.items())
         print(f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting "
@@ -1408,7 +1473,7 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
                                             lookup=lookup, log_every=args.log_every)
         accuracy[c] = 100 * correct / max(seen, 1)
         images, unreadable = images + seen, unreadable + bad
-        if adapter.base != "source":  # ‖θ − θ0‖, how far θ moved (public: a function of θ)
+        if adapter.params:  # ‖θ − θ0‖, how far θ moved (public: a function of θ)
             drift[c] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
                                      for n, p in adapter.params.items()))
         append_jsonl(args.out, {"mode": "corruption", "run_id": run_id, "key": key,
@@ -1517,7 +1582,7 @@ def summarize(path, per_corruption=False, error=False):
             rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
         width = max(22, *(len(v) + 2 for row in rows.values() for v in row.values()))
         print(f"{'method':<14}" + "".join(f"{c:>{width}}" for c in columns))
-        method_order = ("source",) + BASES
+        method_order = ("source", "norm") + BASES
         for label in sorted(rows, key=lambda r: (method_order.index(r.split()[0]), r)):
             print(f"{label:<14}" + "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns))
         if per_corruption:
@@ -1573,6 +1638,9 @@ def benchmark(args):
             variants[b + " clip"] = DPTTA(copy.deepcopy(model), b, lr=1e-5, clip=1.0, **wide_open)
             variants["dp_" + b] = DPTTA(copy.deepcopy(model), "dp_" + b, lr=1e-5, clip=1.0,
                                         eps=5.0, **wide_open)
+        if any(isinstance(m, BATCH_NORM) for m in model.modules()):  # statistics, no step
+            variants["norm"] = DPTTA(copy.deepcopy(model), "norm")
+            variants["dp_norm"] = DPTTA(copy.deepcopy(model), "dp_norm", eps=5.0)
     except ValueError as e:  # BatchNorm: no per-sample gradients
         fail(f"--benchmark --model {name}: {e}")
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=amp)
@@ -1678,9 +1746,23 @@ def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
 
 
 def flat_sample_grads(adapter, x):
-    """The adapter's per-sample gradients at θ, one row per sample: the joint clip's view."""
+    """What the adapter clips, one row per sample: its per-sample gradients at θ (the joint
+    clip's view), or for dp_norm the moments of its first private BatchNorm layer."""
+    if adapter.method == "dp_norm":
+        name = next(iter(adapter.bn_src))
+        bn, seen = adapter.model.get_submodule(name), []
+        hook = bn.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        with torch.no_grad():
+            adapter.model(x)
+        hook.remove()
+        return bn_moments(seen[0], *adapter.bn_src[name], bn.eps)
     g, _ = per_sample_grads(adapter.model, adapter.params, adapter.loss, x, adapter.context(x))
     return torch.cat([t.flatten(1).float() for t in g.values()], 1)
+
+
+def clip_of(adapter, width):
+    """The clip norm of what the adapter clips (dp_norm: scale·√(2C) for 2C moments)."""
+    return adapter.hp["bn_scale"] * math.sqrt(width) if adapter.method == "dp_norm" else adapter.clip
 
 
 def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0,
@@ -1700,10 +1782,11 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
     a = adapter
     if canary is None:
         flat = flat_sample_grads(a, x)
+        clip = clip_of(a, flat.shape[1])
         u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed))
-        u = 10 * a.clip * u.to(flat.device) / u.norm()
+        u = 10 * clip * u.to(flat.device) / u.norm()
         worlds = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)]
-        d = 2 * a.clip * u / u.norm()
+        d = 2 * clip * u / u.norm()
     else:
         worlds = [torch.cat([x, img[None]]) for img in (canary, replacement)]
         clipped = [clip_and_noise({"θ": flat_sample_grads(a, img[None])}, a.clip, 0.0, None)["θ"]
@@ -1713,7 +1796,7 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
     for _ in range(trials):
         for i, w in enumerate(worlds):
             if canary is None:
-                release = clip_and_noise(w, a.clip, a.sigma, a.noise_gen)["θ"]
+                release = clip_and_noise(w, clip, a.sigma, a.noise_gen)["θ"]
             else:
                 a.reset()
                 a(w)  # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself

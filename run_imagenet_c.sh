@@ -6,6 +6,8 @@
 #                                      per local GPU (one on the CPU where there is none)
 #   ./run_imagenet_c.sh tune           choose C and lr on the 4 held-out corruptions -> $TUNED
 #   ./run_imagenet_c.sh --tuned        the grid with the C and lr from $TUNED instead
+#   ./run_imagenet_c.sh bn             ResNet-50 with BatchNorm (resnet50.tv_in1k): source, norm,
+#                                      Tent (lr 2.5e-4, its paper's) and dp_norm at ε = 20, 5, 1
 #   n=$(./run_imagenet_c.sh --count) && sbatch --array=0-$((n - 1)) --gres=gpu:1 run_imagenet_c.sh
 #                                      SLURM (submit from the repo): one cell per array task
 #                                      (add "tune" or "--tuned" after the script name as above)
@@ -32,7 +34,7 @@ EXTRA=${EXTRA:-}
 stage=main; dry=0; count=0; tuned=0
 for arg in "$@"; do
   case $arg in
-    --dry-run) dry=1 ;; --count) count=1 ;; --tuned) tuned=1 ;; tune|main) stage=$arg ;;
+    --dry-run) dry=1 ;; --count) count=1 ;; --tuned) tuned=1 ;; tune|main|bn) stage=$arg ;;
     *) echo "run_imagenet_c.sh: unknown argument $arg (see the header)" >&2; exit 2 ;;
   esac
 done
@@ -83,6 +85,11 @@ if os.environ["STAGE"] == "tune":  # the paper's grid, on held-out corruptions o
         how = f"--method {m}{constants(m)}" if col == "clip-only" else f"--method dp_{m} --eps {col}"
         print(f"{how} --clip {C} --lr {lr} --setting {setting} --seed {seed} "
               f"--corruptions {','.join(dptta.HELD_OUT)}")
+elif os.environ["STAGE"] == "bn":  # a BatchNorm network: its statistics, private or not
+    for setting, seed in itertools.product(env["SETTINGS"], env["SEEDS"]):
+        for how in ("source", "norm", "tent --lr 0.00025", "dp_norm --eps 20", "dp_norm --eps 5",
+                    "dp_norm --eps 1"):
+            print(f"--method {how} --model resnet50.tv_in1k --setting {setting} --seed {seed}")
 else:
     for setting, seed in itertools.product(env["SETTINGS"], env["SEEDS"]):
         if "source" in env["METHODS"]:
