@@ -980,7 +980,10 @@ def parse_args(argv=None):
     g("--rounds", type=int, default=None,
       help="--benchmark: timed rounds, median reported (default 5)")
     g("--audit", action="store_true", help="empirical ε lower bound of --method at --eps")
-    g("--trials", type=int, default=None, help="--audit: trials per world (default 20000)")
+    g("--trials", type=int, default=None,
+      help="--audit: white-box trials per world (default 20000)")
+    g("--e2e-trials", type=int, default=None,
+      help="--audit: end-to-end trials per world (default 5000)")
     return ap.parse_args(argv)
 
 
@@ -1002,19 +1005,22 @@ def parse_hp(items):
 
 def check_common(args, mode=None):
     """The flags every mode reads, and none of another mode's: one line and exit 2."""
-    for flag, tool in (("rounds", "benchmark"), ("trials", "audit"), ("per_corruption",
+    for flag, tool in (("rounds", "benchmark"), ("trials", "audit"), ("e2e_trials", "audit"),
+                       ("per_corruption",
                        "summarize"), ("error", "summarize")):
         require(getattr(args, flag) in (None, False) or mode == tool,
                 f"--{flag.replace('_', '-')} is for --{tool} only")
     args.rounds = 5 if args.rounds is None else args.rounds
     args.trials = 20000 if args.trials is None else args.trials
+    args.e2e_trials = 5000 if args.e2e_trials is None else args.e2e_trials
     require(args.eps is None or args.eps > 0, f"--eps must be > 0, got {args.eps}")
     require(args.delta is None or 0 < args.delta < 1,
             f"--delta must be in (0, 1), got {args.delta}")
     for flag in ("clip", "lr"):
         v = getattr(args, flag)
         require(v is None or 0 < v < math.inf, f"--{flag} must be finite and > 0, got {v}")
-    for flag, low in (("batch_size", 1), ("rounds", 1), ("trials", 100), ("workers", 0),
+    for flag, low in (("batch_size", 1), ("rounds", 1), ("trials", 100), ("e2e_trials", 100),
+                      ("workers", 0),
                       ("seed", 0)):
         v = getattr(args, flag)
         require(v is None or v >= low, f"--{flag.replace('_', '-')} must be >= {low}, got {v}")
@@ -1613,6 +1619,11 @@ def summarize(path, per_corruption=False, error=False):
 
 # -- --benchmark: the cost of privacy, measured side by side -----------------
 
+# Every filter open, every sample kept: H <= ln K always, so margins of 1.01·ln K keep all;
+# PLPD >= −1; SAR never resets. For random weights (benchmark) and the audit's canaries.
+WIDE_OPEN = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
+                 reset_ema=-math.inf)
+
 def benchmark(args):
     """One step of every method, non-private / clip-only / DP, timed side by side."""
     check_common(args, "benchmark")
@@ -1627,10 +1638,7 @@ def benchmark(args):
     data_config = timm.data.resolve_data_config({}, model=model)
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(B, *data_config["input_size"], generator=gen).to(device)
-    # random weights: open every filter so that each step is a full one (H <= ln K always,
-    # so margins of 1.01·ln K keep every sample; PLPD >= −1; SAR never resets)
-    wide_open = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
-                     reset_ema=-math.inf, bn=args.bn or "train")
+    wide_open = dict(WIDE_OPEN, bn=args.bn or "train")  # random weights: a full step each
     variants = {"source": DPTTA(model, "source")}
     try:  # each its own copy of the model: adapters never share θ
         for b in BASES:
@@ -1761,21 +1769,79 @@ def flat_sample_grads(adapter, x):
 
 
 def clip_of(adapter, width):
-    """The clip norm of what the adapter clips (dp_norm: scale·√(2C) for 2C moments)."""
-    return adapter.hp["bn_scale"] * math.sqrt(width) if adapter.method == "dp_norm" else adapter.clip
+    """The clip norm of what the adapter clips (dp_norm: scale·√(2C) for 2C moments; none: inf)."""
+    if adapter.method == "dp_norm":
+        return adapter.hp["bn_scale"] * math.sqrt(width)
+    return adapter.clip or math.inf
+
+
+def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
+    """Two images whose per-sample gradients at θ point as far apart as they can: Adam on both
+    images' pixels (kept in [−box, box]) minimizing cos(g1, g2) − 0.01·(log‖g1‖ + log‖g2‖),
+    the second term keeping both norms up so that C can sit below them. ∇_x of g(x) is a
+    double backward (create_graph) through the per-sample gradient."""
+    a, gen = adapter, torch.Generator().manual_seed(seed)
+    device = next(a.model.parameters()).device
+    imgs = torch.randn(2, *shape, generator=gen).to(device).requires_grad_()
+    opt = torch.optim.Adam([imgs], lr=0.05)
+    theta = {n: p.detach().requires_grad_() for n, p in a.params.items()}
+    with sdpa_kernel(SDPBackend.MATH):  # twice differentiable
+        for _ in range(steps):
+            ctx, g = a.context(imgs.detach()), []
+            for i in range(2):
+                z = logits_of(functional_call(a.model, theta, (imgs[i:i + 1],)))
+                loss = a.loss(z, None if ctx is None else ctx[i:i + 1]).sum()
+                grads = torch.autograd.grad(loss, list(theta.values()), create_graph=True)
+                g.append(torch.cat([t.flatten() for t in grads]))
+            objective = F.cosine_similarity(g[0], g[1], 0) - 0.01 * (g[0].norm() * g[1].norm()).log()
+            opt.zero_grad()
+            objective.backward()
+            opt.step()
+            with torch.no_grad():
+                imgs.clamp_(-box, box)
+    return imgs.detach()
+
+
+@contextlib.contextmanager
+def replayed_per_sample_pass(adapter):
+    """The end-to-end game's trials all step from θ0 on the same two batches: each batch's
+    per-sample pass (and DeYO's shuffled forward) runs once and is replayed; clip, noise and
+    the step run for real in every trial. DeYO's patch shuffle is drawn once per world."""
+    memo, real, context = {}, per_sample_grads, adapter.context
+
+    def replay_pass(model, params, loss_fn, x, ctx=None, **kwargs):
+        key = ("pass", x.data_ptr(), tuple(x.shape))
+        if key not in memo:
+            memo[key] = real(model, params, loss_fn, x, ctx, **kwargs)
+        return memo[key]
+
+    def replay_context(x):
+        key = ("context", x.data_ptr(), tuple(x.shape))
+        if key not in memo:
+            memo[key] = context(x)
+        return memo[key]
+
+    globals()["per_sample_grads"] = replay_pass
+    adapter.context = replay_context
+    try:
+        yield
+    finally:
+        globals()["per_sample_grads"] = real
+        del adapter.context
 
 
 def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0,
           gaussian=True):
-    """Play the change-one game against a private adapter; return ε_lb at `confidence`.
+    """Play the change-one game against an adapter; return ε_lb at `confidence`.
 
     The worlds differ in one sample of the batch x. The attacker knows all but
     the noise and tests the release along d = clip(g_in) − clip(g_out), the
     optimal direction for the Gaussian mechanism.
     White-box (no images given): the release is clip_and_noise itself, on the
     method's per-sample gradients of x (flattened into one tensor: the same
-    joint clip) plus a canary *gradient* of norm 10·C, or its negative: the two
-    clipped gradients are 2C apart, the worst case the analysis covers.
+    joint clip; dp_norm: its first layer's moments) plus a canary *gradient* of
+    norm 10·C, or its negative: the two clipped gradients are 2C apart, the worst
+    case the analysis covers. Without a clip (a non-private original): C = 1, unclipped.
     End-to-end (canary and replacement images): a real DPTTA step from θ0 on
     x + image, and the attacker sees only the adapted parameters.
     """
@@ -1783,78 +1849,98 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
     if canary is None:
         flat = flat_sample_grads(a, x)
         clip = clip_of(a, flat.shape[1])
+        size = 1.0 if math.isinf(clip) else clip
         u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed))
-        u = 10 * clip * u.to(flat.device) / u.norm()
+        u = 10 * size * u.to(flat.device) / u.norm()
         worlds = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)]
-        d = 2 * clip * u / u.norm()
+        d = 2 * u / u.norm()
     else:
         worlds = [torch.cat([x, img[None]]) for img in (canary, replacement)]
-        clipped = [clip_and_noise({"θ": flat_sample_grads(a, img[None])}, a.clip, 0.0, None)["θ"]
-                   for img in (canary, replacement)]
+        clipped = [clip_and_noise({"θ": flat_sample_grads(a, img[None])}, clip_of(a, 1), 0.0,
+                                  None)["θ"] for img in (canary, replacement)]
         d = clipped[0] - clipped[1]
     scores = [[], []]
-    for _ in range(trials):
-        for i, w in enumerate(worlds):
-            if canary is None:
-                release = clip_and_noise(w, clip, a.sigma, a.noise_gen)["θ"]
-            else:
-                a.reset()
-                a(w)  # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
-                release = torch.cat([((a.theta0[n] - p.detach()) / a.lr).flatten()
-                                     for n, p in a.params.items()])
-            scores[i].append(release)
+    with replayed_per_sample_pass(a) if canary is not None else contextlib.nullcontext():
+        for _ in range(trials):
+            for i, w in enumerate(worlds):
+                if canary is None:
+                    release = clip_and_noise(w, clip, a.sigma, a.noise_gen)["θ"]
+                else:
+                    a.reset()
+                    a(w)  # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
+                    release = torch.cat([((a.theta0[n] - p.detach()) / a.lr).flatten()
+                                         for n, p in a.params.items()])
+                scores[i].append(release)
     a.reset()
     s_in, s_out = ((torch.stack(s).double() @ d.double()).cpu().numpy() for s in scores)
-    return epsilon_lower_bound(s_in, s_out, a.delta, confidence, gaussian)
+    return epsilon_lower_bound(s_in, s_out, a.delta or 1e-6, confidence, gaussian)
 
 
 def audit_cli(args):
-    """--audit: white-box and end-to-end ε lower bounds for --method at --eps on a small ViT."""
+    """--audit: white-box and end-to-end ε lower bounds for --method (any: the originals are
+    shown to leak) at --eps, on a small random ViT (norm methods: a small BN CNN)."""
     check_common(args, "audit")
-    require(args.model is None, "--audit plays on its own tiny ViT; --model does not apply")
+    require(args.model is None, "--audit plays on its own small model; --model does not apply")
     check_out(args, "results-audit.jsonl")
-    require(args.method.startswith("dp_"), f"--audit needs a dp_ method, not {args.method}")
-    eps = 5.0 if args.eps is None else args.eps
+    private, norm = args.method.startswith("dp_"), args.method in NORM_METHODS
+    require(args.eps is None or private, f"--eps applies to dp_ methods only, not {args.method}")
+    require(args.method != "source", "--audit: source releases nothing; pick a method")
+    eps = 5.0 if private and args.eps is None else args.eps
+    claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
     args.delta = args.delta or 1e-6
-    require(math.isfinite(eps), f"--audit needs a finite --eps > 0, got {eps}")
     torch.manual_seed(args.seed)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
-                              patch_size=8, depth=2, embed_dim=32, num_heads=2, num_classes=10)
-    a = DPTTA(model, args.method, eps=eps, delta=args.delta, clip=args.clip or 1.0,
-              lr=args.lr or 0.1, seed=args.seed)
-    g = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(4, 3, 32, 32, generator=g)
-    white = audit(a, x, trials=args.trials, seed=args.seed)
-    # end to end the canary is an image: to make the game strong, C sits below every
-    # candidate's gradient norm (both worlds clip) and the replacement is the candidate
-    # pointing furthest away
-    cands = 3 * torch.randn(16, 3, 32, 32, generator=g)
-    flat = flat_sample_grads(a, cands)
-    norms = flat.norm(dim=1)
-    a.clip = args.clip or 0.5 * norms.min().item()
-    far = int((flat[1:] @ flat[0] / norms[1:]).argmin()) + 1
-    e2e_trials = max(args.trials // 10, 100)
-    e2e = audit(a, x, cands[0], cands[far], trials=e2e_trials)
-    # images cannot be made exactly opposite: the worlds are ‖clip(g_in) − clip(g_out)‖ =
-    # frac·2C apart, and no attack on this pair can show more than the ε of (frac·μ)-GDP
-    clipped = [clip_and_noise({"θ": flat[i:i + 1]}, a.clip, 0.0, None)["θ"] for i in (0, far)]
-    frac = ((clipped[0] - clipped[1]).norm() / (2 * a.clip)).item()
-    reach = gdp_epsilon(sigma=a.sigma / frac, delta=args.delta)
-    print(f"audit | {args.method} | claimed ε = {eps:g} at δ = {args.delta:g} | "
-          f"σ = {a.sigma:.4f} | end-to-end C = {a.clip:.3g}")
-    print(f"white-box  : ε_lb = {white:.3f} at 95% confidence, {args.trials} trials per world, "
-          f"ε_lb/ε = {white / eps:.2f}")
-    print(f"end-to-end : ε_lb = {e2e:.3f} at 95% confidence, {e2e_trials} trials per world, "
-          f"ε_lb/ε = {e2e / eps:.2f}; the image pair is {frac:.2f}·2C apart, so at most "
-          f"ε = {reach:.3f} shows")
-    print("ε_lb via μ-GDP (Nasr et al. 2023): assumes a Gaussian trade-off curve, as the "
-          "audited mechanism has. A lower bound: exceeding the claim shows a bug; staying "
-          "below it proves nothing")
-    held = white <= eps and e2e <= eps
+    if norm:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+        kwargs = {}
+    else:
+        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
+                                  patch_size=8, depth=2, embed_dim=32, num_heads=2,
+                                  num_classes=10)
+        # the originals' filters opened (every sample kept), or the canary might not count
+        kwargs = dict(lr=args.lr or 0.1, clip=args.clip or (1.0 if private else None),
+                      **({} if private else WIDE_OPEN))
+    try:
+        a = DPTTA(model.eval(), args.method, seed=args.seed, **kwargs,
+                  **(dict(eps=eps, delta=args.delta) if private else {}))
+    except ValueError as e:
+        fail(str(e))
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(args.seed))
+    t0 = time.time()
+    games = [("white-box ", audit(a, x, trials=args.trials, seed=args.seed), args.trials,
+              time.time() - t0, "")]
+    if not norm:  # end to end: a crafted image pair, C below both gradients (both clipped)
+        t0 = time.time()
+        pair = craft_canaries(a, (3, 32, 32), seed=args.seed)
+        if a.clip is not None and args.clip is None:  # below both, whatever DeYO's shuffle
+            a.clip = 0.9 * torch.cat([flat_sample_grads(a, pair) for _ in range(8)]).norm(
+                dim=1).min().item()
+        g = flat_sample_grads(a, pair)
+        note = "; no clip"
+        if a.clip:  # g_i·min(1, C/‖g_i‖): how far apart the two worlds' clipped gradients are
+            g = g * (a.clip / g.norm(dim=1, keepdim=True)).clamp(max=1)
+            note = f"; the crafted pair is {(g[0] - g[1]).norm() / (2 * a.clip):.2f}·2C apart"
+            note += f", C = {a.clip:.3g}"
+        lb = audit(a, x, pair[0], pair[1], trials=args.e2e_trials)
+        games.append(("end-to-end", lb, args.e2e_trials, time.time() - t0, note))
+    print(f"audit | {args.method} | " + (f"claimed ε = {eps:g} at δ = {args.delta:g}, σ = "
+          f"{a.sigma:.4f}" if claim else "NOT PRIVATE: no noise, no claim"))
+    for name, lb, n, seconds, note in games:
+        top = epsilon_lower_bound(np.ones(n), np.zeros(n), args.delta)  # no error in n trials
+        limited = f" (≥: limited by {n} trials, never confused)" if lb >= top - 1e-9 else ""
+        ratio = f", ε_lb/ε = {lb / eps:.2f}" if claim else ""
+        print(f"{name}: ε_lb = {lb:.3f} at 95% confidence{limited}{ratio}; {n} trials per "
+              f"world, {seconds:.0f} s{note}")
+    if not claim:
+        print(f"{args.method} is not private: its releases tell the two worlds apart")
+    print("ε_lb via μ-GDP (Nasr et al. 2023): assumes a Gaussian trade-off curve. A lower "
+          "bound: exceeding the claim shows a bug; staying below it proves nothing")
+    held = not claim or all(lb <= eps for _, lb, *_ in games)
     append_jsonl(args.out, {"mode": "audit", "method": args.method, "eps": eps,
-                            "delta": args.delta, "sigma": a.sigma, "white_box_eps_lb": white,
-                            "white_box_trials": args.trials, "end_to_end_eps_lb": e2e,
-                            "end_to_end_trials": e2e_trials, "claim_held": held})
+                            "delta": args.delta, "sigma": a.sigma, "private": claim,
+                            "clip": a.clip, "claim_held": held,
+                            "games": {name.strip(): {"eps_lb": lb, "trials": n, "seconds": s}
+                                      for name, lb, n, s, _ in games}})
     return 0 if held else 1
 
 

@@ -1626,7 +1626,9 @@ def bad_input_cases(root, ckpt):
                                 "BatchNorm"),
         "benchmark rounds 0": (["--benchmark", "--rounds", "0"], "--rounds must be >= 1"),
         "audit trials 0": (["--audit", "--trials", "0"], "--trials must be >= 100"),
-        "audit not private": (["--audit", "--method", "tent"], "needs a dp_ method"),
+        "audit eps on an original": (["--audit", "--method", "tent", "--eps", "5"],
+                                     "dp_ methods only"),
+        "audit source": (["--audit", "--method", "source"], "source releases nothing"),
         "summarize missing": (["--summarize", "/nonexistent.jsonl"], "does not exist"),
         "summarize binary": (["--summarize", ckpt], "not a JSONL file"),
         "resume binary": (ok + ["--resume", "--out", ckpt], "not a JSONL file"),
@@ -2073,3 +2075,36 @@ def test_end_to_end_audit_through_the_adapter():
     lb = dptta.audit(a, x, 3 * images(1, 7)[0], -3 * images(1, 8)[0], trials=300)
     assert 0 <= lb <= 1
     assert all(torch.equal(before[n], p) for n, p in a.params.items())  # the adapter is left reset
+    assert "context" not in vars(a) and dptta.per_sample_grads.__name__ == "per_sample_grads"
+
+
+@pytest.mark.parametrize("method", ["dp_tent", "dp_deyo"])
+def test_crafted_canaries_are_clipped_to_opposite_ends(method):
+    """Optimized pixels: the two images' per-sample gradients point nearly opposite, so with
+    C below both norms the worlds are >= 0.95·2C apart (random images: ~0.26·2C)."""
+    a = dptta.DPTTA(tiny_vit(depth=2), method, **kw(method, lr=0.1))
+    g = dptta.flat_sample_grads(a, dptta.craft_canaries(a, (3, 32, 32)))
+    clip = 0.9 * g.norm(dim=1).min()
+    clipped = g * (clip / g.norm(dim=1, keepdim=True)).clamp(max=1)
+    assert (clipped[0] - clipped[1]).norm() >= 0.95 * 2 * clip
+
+
+def test_end_to_end_game_alone_catches_half_the_noise():
+    """The classic bug (σ calibrated to C, not 2C) through the real adapter path: a crafted
+    pair, 5000 trials per world (the CLI's default), nothing but the adapted θ observed."""
+    a = dptta.DPTTA(tiny_vit(depth=2), "dp_tent", eps=5, clip=1.0, lr=0.1)
+    pair = dptta.craft_canaries(a, (3, 32, 32))
+    a.clip = 0.9 * dptta.flat_sample_grads(a, pair).norm(dim=1).min().item()
+    x = images(4)
+    assert dptta.audit(a, x, pair[0], pair[1], trials=5000) <= 5  # correct: under the claim
+    a.sigma /= 2
+    assert dptta.audit(a, x, pair[0], pair[1], trials=5000) > 5
+
+
+def test_the_audit_shows_an_original_leaks_and_makes_no_claim(tmp_path):
+    out = tmp_path / "a.jsonl"
+    r = cli("--audit", "--method", "tent", "--trials", 500, "--e2e-trials", 200, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "NOT PRIVATE" in r.stdout and "limited by 500 trials" in r.stdout
+    rec = json.loads(out.read_text())
+    assert rec["private"] is False and rec["games"]["end-to-end"]["eps_lb"] > 1
