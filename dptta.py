@@ -358,7 +358,8 @@ _ADAPTED = weakref.WeakValueDictionary()  # id(a model's parameter) -> the live 
 
 class DPTTA(nn.Module):
     """forward(x) predicts with θ, then adapts θ on x; it returns the prediction's logits [B, K],
-    detached. method: a table row, dp_<row> or "source"; privacy_unit="photo", repeats=k: σ·√k;
+    detached. method: a table row, dp_<row> or "source"; repeats=k steps see each privacy unit
+    (a label: "image", "photo"): σ·√k; accumulate=k: one step per k batches (see forward);
     fisher: EATA's {name: F}, public (None: no penalty); bn: BatchNorm on the test batch's
     statistics ("train", Tent; no per-sample variant) or frozen at the source's ("source").
     The noise is a seeded stream that never repeats: reset() does not rewind it, a copy draws
@@ -368,7 +369,7 @@ class DPTTA(nn.Module):
                  clip=None, lr=None, seed=0, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
                  d_margin=0.05, rho=0.05, reset_ema=0.2, deyo_margin=0.5, plpd_threshold=0.2,
                  patch_grid=4, num_classes=None, bn="train", bn_scale=0.5, bn_momentum=0.1,
-                 bn_floor=0.1, bn_layers=None, chunk_size="auto"):
+                 bn_floor=0.1, bn_layers=None, accumulate=1, chunk_size="auto"):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
@@ -388,19 +389,23 @@ class DPTTA(nn.Module):
                  f"{method} needs a finite lr > 0, got {lr}"),
                 (privacy_unit not in ("image", "photo"), "privacy_unit is 'image' or 'photo'"),
                 (not (isinstance(repeats, int) and repeats >= 1), "repeats must be an int >= 1"),
-                (bn not in ("train", "source"), "bn is 'train' (test batch) or 'source' (frozen)")):
+                (bn not in ("train", "source"), "bn is 'train' (test batch) or 'source' (frozen)"),
+                (not (isinstance(accumulate, int) and accumulate >= 1)
+                 or (accumulate > 1 and method == "norm"), "accumulate must be an int >= 1 "
+                 "(norm keeps no state to accumulate)")):
             if wrong:
                 raise ValueError(problem)
         self.delta = delta if self.private else None
-        k = repeats if privacy_unit == "photo" else 1  # a photo's k releases are (ε, δ)-DP
-        self.sigma = calibrate_sigma(eps=eps, delta=delta, repeats=k) if self.private else 0.0
+        # repeats: the steps that see one unit (a photo in k streams, an image in k rounds)
+        self.sigma = calibrate_sigma(eps=eps, delta=delta, repeats=repeats) if private else 0.0
         self.releases = 1  # per image: one gradient step, or dp_norm's L layers
         self.clip = None if clip is None else float(clip)
         self.lr = None if lr is None else float(lr)
-        self.bn = bn
+        self.bn, self.accumulate = bn, accumulate
         self.model = model.eval()  # eval: no dropout, nothing random under vmap, BN frozen
         self.model.requires_grad_(False)
         self.bn_src = {}  # dp_norm: {layer: its source (running_mean, running_var)}
+        self.window = []  # accumulate=k: the batches that wait for the window's step
         if self.base == "source":
             return
         self._claim()
@@ -502,6 +507,7 @@ class DPTTA(nn.Module):
         self._set_theta(self.theta0)
         self.opt = self.params and torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
         self.ema = self.m = self.g_prev = None  # SAR's loss EMA, EATA's mean p, DP-SAR's last Δ
+        self.window = []  # an episodic reset drops the window: no step
         # dp_norm: the average of the releases in z-space, from the source's (0, 1)
         self.bn_ema = {n: (0 * m, 0 * m + 1) for n, (m, _) in self.bn_src.items()}
         for bn, (mean, var) in self.bn_src.items():
@@ -585,9 +591,31 @@ class DPTTA(nn.Module):
         return logits, {n: at_least_fp32(t) for n, t in zip(p, g)}, keep
 
     def forward(self, x):
-        if self.base in ("source", "norm") or not len(x):  # no step (nothing to learn from)
+        if self.base == "source" or not len(x):  # nothing to learn from
+            with torch.no_grad():
+                return logits_of(self.model(x))
+        if self.accumulate == 1:
+            return self._update(x)
+        # accumulate=k: predict at arrival with θ; one step once k batches have come. θ does
+        # not change inside a window, so this is one step on the k batches together (a
+        # divisor k·B, one noise draw: k steps of B would carry √k times the noise)
+        with torch.no_grad():
+            logits = logits_of(self.model(x))
+        self.window.append(x)
+        if len(self.window) == self.accumulate:
+            self.flush()
+        return logits
+
+    def flush(self):
+        """One step on the batches waiting in the window: call it at the end of a stream."""
+        if self.window:
+            x, self.window = torch.cat(self.window), []
+            self._update(x)
+
+    def _update(self, x):
+        if self.base == "norm":  # no step: BN's statistics (dp_norm: released layer by layer)
             with torch.no_grad(), contextlib.ExitStack() as hooks:
-                for bn in self.bn_src if len(x) else ():  # dp_norm: each layer's statistics
+                for bn in self.bn_src:
                     hook = partial(self._release_stats, bn)
                     hooks.callback(self.model.get_submodule(bn).register_forward_pre_hook(
                         hook).remove)
@@ -750,11 +778,46 @@ def collate_skipping(batch):
     return x, y, bad
 
 
-def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=False):
-    """A DataLoader over a seeded shuffle of the dataset, the first `limit` images only."""
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
-    return DataLoader(Subset(dataset, order[:limit].tolist()), batch_size, num_workers=workers,
+def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=False,
+                 order="random"):
+    """A DataLoader over a seeded shuffle of the dataset (its first `limit` images), in the
+    order given: "random" (i.i.d.), "class" (sorted by class: SAR's online imbalanced label
+    shift) or "dirichlet:ALPHA" (label shift as RoTTA and the common TTA benchmark code draw
+    it: each class spread over as many time slots as there are classes by Dir(ALPHA))."""
+    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit]
+    labels = np.asarray(dataset.targets)[perm.numpy()]
+    if order == "class":
+        perm = perm[np.argsort(labels, kind="stable")]
+    elif order.startswith("dirichlet:"):
+        rng, classes = np.random.default_rng(seed), np.unique(labels)
+        slots = [[] for _ in classes]
+        for c in classes:  # class c's images cut into consecutive slots by Dir(α) shares
+            mine = perm.numpy()[labels == c]
+            cuts = (np.cumsum(rng.dirichlet([float(order[10:])] * len(classes))) * len(mine))
+            for slot, part in zip(slots, np.split(mine, cuts.astype(int)[:-1])):
+                slot.extend(part)
+        perm = torch.as_tensor([i for slot in slots for i in rng.permutation(slot)], dtype=int)
+    return DataLoader(Subset(dataset, perm.tolist()), batch_size, num_workers=workers,
                       collate_fn=collate_skipping, pin_memory=pin_memory)
+
+
+class Mixed(torch.utils.data.Dataset):
+    """--setting mixed: the corruptions' images as one stream (SAR's mixed shifts). Image i's
+    label is y + TAG·c, c its corruption, so that each is still scored per corruption."""
+    TAG = 1000
+
+    def __init__(self, streams):
+        self.parts = list(streams.values())
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+        self.targets = [p.imagenet_index[t] for p in self.parts for t in p.targets]  # classes
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def __getitem__(self, i):
+        c = int(np.searchsorted(self.starts, i, "right")) - 1
+        x, y = self.parts[c][i - self.starts[c]]
+        return (x, y + self.TAG * c) if x is not None else (x, y)
 
 
 class ClassSubset(nn.Module):
@@ -961,9 +1024,15 @@ def parse_args(argv=None):
       help="BatchNorm models: normalize with the test batch (train; Tent's, originals only) or "
            "the source's running statistics (source; any method). Default train")
     g = ap.add_argument_group("run").add_argument
-    g("--setting", default="continual", choices=("continual", "episodic"),
+    g("--setting", default="continual", choices=("continual", "episodic", "mixed"),
       help="continual: one model through every corruption (default); episodic: reset model "
-           "and optimizer before each")
+           "and optimizer before each; mixed: all corruptions shuffled into one stream")
+    g("--order", default="random", help="random (i.i.d., default), class (sorted by class) or "
+                                       "dirichlet:ALPHA (label shift, e.g. dirichlet:0.01)")
+    g("--repeat", type=int, default=1,
+      help="continual: stream the corruption sequence N times, θ never reset (default 1)")
+    g("--accumulate", type=int, default=1,
+      help="predict each batch at arrival, step once per K batches (default 1)")
     g("--batch-size", type=int, default=None,
       help="test batch (default 64; --benchmark on CPU: 32)")
     g("--seed", type=int, default=0, help="data order, noise and patch shuffles (default 0)")
@@ -1058,6 +1127,15 @@ def check_args(args):
     for flag in ("limit", "log_every", "synthetic"):
         v = getattr(args, flag)
         require(v is None or v >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    order = args.order.partition(":")
+    require(args.order in ("random", "class") or order[0] == "dirichlet" and _positive(order[2]),
+            f"--order is random, class or dirichlet:ALPHA with ALPHA > 0, got {args.order!r}")
+    for flag in ("repeat", "accumulate"):
+        require(getattr(args, flag) >= 1, f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    require(args.repeat == 1 or args.setting != "episodic",
+            "--repeat is for continual or mixed streams (episodic resets anyway)")
+    require(args.accumulate == 1 or base not in ("source", "norm"),
+            f"--accumulate: {args.method} takes no step to accumulate")
     require(args.severity is None or args.dataset == "imagenet_c",
             "--severity is for ImageNet-C only")
     args.severity = args.severity or 5
@@ -1092,6 +1170,13 @@ def check_args(args):
             f"--fisher-data {args.fisher_data} is not a folder of <wnid>/ image folders")
     check_out(args, "results-smoke.jsonl" if args.synthetic else "results.jsonl")
     return args
+
+
+def _positive(text):
+    try:
+        return 0 < float(text) < math.inf
+    except ValueError:
+        return False
 
 
 def check_out(args, default):
@@ -1163,7 +1248,8 @@ def run_key(args, dtype):
     """Everything that changes a result (the seed included; --summarize drops it)."""
     key = {k: getattr(args, k) for k in (
         "method", "eps", "delta", "privacy_unit", "clip", "lr", "hp", "batch_size", "setting",
-        "dataset", "severity", "corruptions", "model", "bn", "seed", "limit")}
+        "order", "repeat", "accumulate", "dataset", "severity", "corruptions", "model", "bn",
+        "seed", "limit")}
     key["weights"] = weights_id(args)
     key["data"] = f"synthetic:{args.synthetic}" if args.synthetic else os.path.abspath(args.data)
     key["fisher_data"] = args.fisher_data and os.path.abspath(args.fisher_data)
@@ -1229,23 +1315,25 @@ def append_jsonl(path, record):
         sys.exit(4)
 
 
-def privacy_ledger(adapter, streams):
-    """What is promised, to whom, in numbers. streams: how many streams show each photo."""
+def privacy_ledger(adapter, streams, rounds=1):
+    """What is promised, to whom, in numbers. streams: how many streams show each photo;
+    rounds: how many times (--repeat) each image is streamed."""
     if not adapter.private:
         return {"private": False, "clip": adapter.clip}
     if adapter.sigma == 0:
         return {"private": False, "clip_only": True, "note": "clip only, not private",
                 "eps": adapter.eps, "clip": adapter.clip}
-    s, d = adapter.sigma / math.sqrt(adapter.releases), adapter.delta  # σ of the image's μ
-    unit = "one test image, replace-one neighbours, used in one step"
+    s, d = adapter.sigma / math.sqrt(adapter.releases), adapter.delta  # σ of one step's μ
+    unit = f"one test image, replace-one neighbours, used in {rounds} step(s)"
     if adapter.privacy_unit == "photo":
-        unit = f"one photo, replace-one neighbours, in each of its {streams} streams"
+        unit = f"one photo, replace-one neighbours, in each of its {streams * rounds} streams"
     return {"private": True, "eps": adapter.eps, "delta": d, "sigma": s, "mu": 2 / s,
             "clip": adapter.clip, "privacy_unit": adapter.privacy_unit, "unit": unit,
-            "repeats": streams,  # one photo in k streams: μ√k-GDP, i.e. σ/√k
+            "repeats": streams * rounds, "rounds": rounds,  # k steps: μ√k-GDP, i.e. σ/√k
             "releases": adapter.releases, "sigma_per_release": adapter.sigma,
-            "eps_per_test_image": gdp_epsilon(sigma=s, delta=d),
-            "eps_per_underlying_image": gdp_epsilon(sigma=s / math.sqrt(streams), delta=d)}
+            "eps_per_test_image": gdp_epsilon(sigma=s / math.sqrt(rounds), delta=d),
+            "eps_per_underlying_image": gdp_epsilon(sigma=s / math.sqrt(streams * rounds),
+                                                    delta=d)}
 
 
 def print_header(args, adapter, ledger, device, amp, hp_note):
@@ -1258,8 +1346,10 @@ def print_header(args, adapter, ledger, device, amp, hp_note):
               "accuracy is chance")
     print(f"data: {args.data} | {args.dataset} severity {args.severity} | "
           f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | "
-          f"seed {args.seed}")
-    k = len(args.corruptions)
+          f"seed {args.seed}" + (f" | order {args.order}" if args.order != "random" else "")
+          + (f" | {args.repeat} rounds" if args.repeat > 1 else "")
+          + (f" | a step per {args.accumulate} batches" if args.accumulate > 1 else ""))
+    k = len(args.corruptions) * args.repeat
     clip = f"C = {adapter.clip:g} [{hp_note['clip']}]" if adapter.clip else ""
     if args.method == "dp_norm":  # L releases per image: σ_l = √L·σ each
         clip = (f"L = {adapter.releases} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}, "
@@ -1312,10 +1402,18 @@ def rate(n, seconds):
     return f"{n / max(seconds, 1e-9):.3g} img/s"
 
 
-def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every):
-    """One corruption through the adapter: (correct, scored, unreadable paths)."""
-    correct = torch.zeros((), dtype=torch.long, device=device)  # summed on the device
-    seen, unreadable, t0 = 0, [], time.time()
+def fail_diverged(where):
+    print(f"dptta: error: θ or the logits are not finite after {where} (lr or clip too "
+          "large?); stopped, no record of this corruption or run", file=sys.stderr)
+    sys.exit(3)
+
+
+def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every, groups=1):
+    """One stream through the adapter: (correct, scored) per group (the corruptions of a
+    --setting mixed stream, whose labels carry their corruption; else one), unreadable paths."""
+    correct = torch.zeros(groups, dtype=torch.long, device=device)  # summed on the device
+    scored = torch.zeros(groups, dtype=torch.long, device=device)
+    unreadable, t0 = [], time.time()
     for i, (x, y, bad) in enumerate(loader):
         if STOP:  # a signal that a DataLoader's teardown swallowed: stop all the same
             raise KeyboardInterrupt
@@ -1327,22 +1425,27 @@ def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         if lookup is not None:  # ImageNet-1k index -> position among the classes scored
             y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
+        group = torch.where(y >= 0, y // Mixed.TAG, 0)
+        y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1) never match nor count
         with autocast:
             logits = adapter(x)
         finite = [torch.isfinite(logits).all()]  # NaN logits predict class 0: no accuracy
         if adapter.base != "source":
             finite += [torch.isfinite(p.detach()).all() for p in adapter.params.values()]
         if not torch.stack(finite).all():  # one device sync
-            print(f"dptta: error: θ or the logits are not finite after batch {i + 1} of {c} (lr "
-                  "or clip too large?); stopped, no record of this corruption or run",
-                  file=sys.stderr)
-            sys.exit(3)
-        correct += (logits.argmax(1) == y).sum()  # stays on the device
-        seen += len(y) - len(bad)  # placeholders (y = −1) never match and are not counted
+            fail_diverged(f"batch {i + 1} of {c}")
+        correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
+        scored += torch.bincount(group[y >= 0], minlength=groups)
         if (i + 1) % log_every == 0:
-            print(f"  {c} {seen}/{len(loader.dataset)} top-1 {100 * correct.item() / seen:.1f}% "
-                  f"{rate(seen, time.time() - t0)}", flush=True)
-    return correct.item(), seen, unreadable
+            seen = scored.sum().item()
+            print(f"  {c} {seen}/{len(loader.dataset)} top-1 "
+                  f"{100 * correct.sum().item() / max(seen, 1):.1f}% {rate(seen, time.time() - t0)}",
+                  flush=True)
+    with autocast:
+        adapter.flush()  # the stream's last, partial accumulate window steps too
+    if adapter.params and not all(torch.isfinite(p).all() for p in adapter.params.values()):
+        fail_diverged(f"the last step of {c}")
+    return correct.tolist(), scored.tolist(), unreadable
 
 
 def main(argv=None):
@@ -1358,7 +1461,8 @@ def main(argv=None):
     device = torch.device(args.device)
     amp = args.amp == "bf16" and device.type == "cuda"  # bf16 autocast on CPU is slow: off
     private = args.method.startswith("dp_")
-    C, lr, source = paper_hparams(args.method, args.eps if private else math.inf, args.setting,
+    tuned_on = "episodic" if args.setting == "episodic" else "continual"  # mixed: one stream
+    C, lr, source = paper_hparams(args.method, args.eps if private else math.inf, tuned_on,
                                   args.clip)
     hp_note = {"clip": "given" if args.clip is not None else source,
                "lr": "given" if args.lr is not None else source}
@@ -1434,8 +1538,9 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
     try:
         adapter = DPTTA(model, args.method, eps=args.eps if private else None,
                         delta=args.delta or 1e-6, privacy_unit=args.privacy_unit,
-                        repeats=len(args.corruptions), clip=args.clip, lr=args.lr,
-                        seed=args.seed, bn=args.bn or "train", **hp)
+                        repeats=args.repeat * (len(streams) if args.privacy_unit == "photo"
+                                               else 1), clip=args.clip, lr=args.lr,
+                        seed=args.seed, bn=args.bn or "train", accumulate=args.accumulate, **hp)
     except ValueError as e:
         fail(str(e))
     # bf16 autocast for forward and backward on CUDA (on CPU it is slow); clip, noise and
@@ -1449,7 +1554,7 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
     elif adapter.base == "eata":
         print(f"note: {args.method} without --fisher-data: no anti-forgetting penalty",
               file=sys.stderr)
-    ledger = privacy_ledger(adapter, len(args.corruptions))
+    ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat)
     if any(isinstance(m, BATCH_NORM) for m in model.modules()):
         ledger["bn"] = adapter.bn  # which BatchNorm mode ran
     print_header(args, adapter, ledger, device, amp, hp_note)
@@ -1459,42 +1564,55 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
               "images; the usual rule is δ < 1/n (the paper's 1e-6 is)", file=sys.stderr)
 
     run_id, start = uuid.uuid4().hex, time.time()
-    accuracy, drift, images, unreadable = {}, {}, 0, []
+    # the run's units: each corruption (or, --setting mixed, all at once) in each round
+    sources = {"mixed": Mixed(streams)} if args.setting == "mixed" else streams
+    rounds, drift, images, unreadable, done = [{} for _ in range(args.repeat)], {}, 0, [], []
     if resume is not None:
         require(resume["key"] == key, f"{state} belongs to another run; remove it")
         adapter.set_extra_state(resume["adapter"])
-        run_id, accuracy, drift = resume["run_id"], resume["accuracy"], resume["drift"]
+        run_id, rounds, drift, done = resume["run_id"], resume["rounds"], resume["drift"], \
+            resume["done"]
         images, unreadable, start = resume["images"], resume["unreadable"], start - resume["wall"]
-        print(f"resumed run {run_id} after {len(accuracy)} of {len(streams)} corruption(s) "
-              f"({', '.join(accuracy)}), its noise where it stood")
-    for c, ds in streams.items():
-        if c in accuracy:
+        print(f"resumed run {run_id} after {', '.join(done)}, its noise where it stood")
+    for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
+        label = name if args.repeat == 1 else f"{name}#{r + 1}"
+        if label in done:
             continue
         if args.setting == "episodic":
             adapter.reset()
-        loader = image_stream(ds, args.batch_size, seed=args.seed, workers=args.workers,
-                              limit=args.limit, pin_memory=device.type == "cuda")
-        t0 = time.time()
-        correct, seen, bad = stream_through(adapter, loader, c, device=device, autocast=autocast,
-                                            lookup=lookup, log_every=args.log_every)
-        accuracy[c] = 100 * correct / max(seen, 1)
-        images, unreadable = images + seen, unreadable + bad
+        loader = image_stream(sources[name], args.batch_size, seed=args.seed + r,
+                              workers=args.workers, limit=args.limit, order=args.order,
+                              pin_memory=device.type == "cuda")
+        t0, groups = time.time(), list(streams) if name == "mixed" else [name]
+        correct, scored, bad = stream_through(adapter, loader, label, device=device,
+                                              autocast=autocast, lookup=lookup,
+                                              log_every=args.log_every, groups=len(groups))
+        images, unreadable = images + sum(scored), unreadable + bad
         if adapter.params:  # ‖θ − θ0‖, how far θ moved (public: a function of θ)
-            drift[c] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
-                                     for n, p in adapter.params.items()))
-        append_jsonl(args.out, {"mode": "corruption", "run_id": run_id, "key": key,
-                                "corruption": c, "accuracy": accuracy[c],
-                                "error": 100 - accuracy[c], "images": seen, "skipped": len(bad),
-                                "drift": drift.get(c), "smoke": bool(args.synthetic)})
+            drift[label] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
+                                         for n, p in adapter.params.items()))
         note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
-        print(f"{c:<18} top-1 {accuracy[c]:5.1f}% | {seen} images | "
-              f"{rate(seen, time.time() - t0)} | ‖θ−θ0‖ {drift.get(c, 0.0):.4f}{note}", flush=True)
-        save_state(state, {"key": key, "run_id": run_id, "accuracy": accuracy, "drift": drift,
-                           "images": images, "unreadable": unreadable,
+        for c, hits, n in zip(groups, correct, scored):
+            rounds[r][c] = top1 = 100 * hits / max(n, 1)
+            append_jsonl(args.out, {"mode": "corruption", "run_id": run_id, "key": key,
+                                    "corruption": c, "round": r + 1, "accuracy": top1,
+                                    "error": 100 - top1, "images": n, "skipped": len(bad),
+                                    "drift": drift.get(label), "smoke": bool(args.synthetic)})
+            print(f"{c:<18} top-1 {top1:5.1f}% | {n} images | {rate(n, time.time() - t0)} | "
+                  f"‖θ−θ0‖ {drift.get(label, 0.0):.4f}{note}", flush=True)
+        done.append(label)
+        save_state(state, {"key": key, "run_id": run_id, "rounds": rounds, "drift": drift,
+                           "done": done, "images": images, "unreadable": unreadable,
                            "wall": time.time() - start, "adapter": adapter.get_extra_state()})
+    # the mean over the rounds; each round's own in the record (the forgetting curve)
+    accuracy = {c: float(np.mean([acc[c] for acc in rounds])) for c in streams}
     wall = time.time() - start
     record = run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift,
                         unreadable, images, wall)
+    if args.repeat > 1:
+        record["rounds"] = [{"accuracy": acc, "mean": float(np.mean(list(acc.values())))}
+                            for acc in rounds]
+        print("per round: " + " | ".join(f"{x['mean']:.1f}" for x in record["rounds"]))
     mean = record["mean"]
     print("\n" + " | ".join(f"{c[:8]:>8}" for c in accuracy) + " |     mean")
     print(" | ".join(f"{a:8.1f}" for a in accuracy.values()) + f" | {mean:8.1f}")
@@ -1574,8 +1692,10 @@ def summarize(path, per_corruption=False, error=False):
     order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in (20, 15, 10, 5, 1)]
     for table_key, entries in tables.items():
         k = json.loads(table_key)
+        wild = "".join(f" | {name} {k[name]}" for name, plain in (
+            ("order", "random"), ("repeat", 1), ("accumulate", 1)) if k.get(name, plain) != plain)
         print(f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | "
-              f"batch {k['batch_size']} | {len(k['corruptions'])} corruptions | "
+              f"batch {k['batch_size']}{wild} | {len(k['corruptions'])} corruptions | "
               f"mean {what} over seeds")
         present = {v for _, v, _ in entries}
         columns = [c for c in order if c in present] + sorted(present - set(order))
@@ -1633,11 +1753,12 @@ def benchmark(args):
     cuda = device.type == "cuda"
     name = args.model or ("vit_base_patch16_224" if cuda else "vit_small_patch16_224")
     B = args.batch_size or (64 if cuda else 32)
+    acc = args.accumulate  # > 1: rows of batch B stepping once per acc batches, beside batch B·acc
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(device)
     data_config = timm.data.resolve_data_config({}, model=model)
     gen = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(B, *data_config["input_size"], generator=gen).to(device)
+    x = torch.randn(B * acc, *data_config["input_size"], generator=gen).to(device)
     wide_open = dict(WIDE_OPEN, bn=args.bn or "train")  # random weights: a full step each
     variants = {"source": DPTTA(model, "source")}
     try:  # each its own copy of the model: adapters never share θ
@@ -1646,19 +1767,27 @@ def benchmark(args):
             variants[b + " clip"] = DPTTA(copy.deepcopy(model), b, lr=1e-5, clip=1.0, **wide_open)
             variants["dp_" + b] = DPTTA(copy.deepcopy(model), "dp_" + b, lr=1e-5, clip=1.0,
                                         eps=5.0, **wide_open)
+            if acc > 1:
+                variants[f"dp_{b} {B}x{acc}"] = DPTTA(copy.deepcopy(model), "dp_" + b, lr=1e-5,
+                                                      clip=1.0, eps=5.0, accumulate=acc,
+                                                      **wide_open)
         if any(isinstance(m, BATCH_NORM) for m in model.modules()):  # statistics, no step
             variants["norm"] = DPTTA(copy.deepcopy(model), "norm")
             variants["dp_norm"] = DPTTA(copy.deepcopy(model), "dp_norm", eps=5.0)
     except ValueError as e:  # BatchNorm: no per-sample gradients
         fail(f"--benchmark --model {name}: {e}")
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=amp)
+
+    def step(a):  # one window's images, as a batch or (accumulate) one batch of B at a time
+        return a(x) if a.accumulate == 1 else [a(xb) for xb in x.split(B)]
+
     times, peak = {k: [] for k in variants}, {}
     fallbacks_before = sum(VMAP_FALLBACKS.values())
     for k, a in variants.items():  # warm-up, and on CUDA the step's peak memory
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         with autocast:
-            a(x)
+            step(a)
         if cuda:
             torch.cuda.synchronize()
         peak[k] = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else math.nan
@@ -1666,7 +1795,7 @@ def benchmark(args):
         for k, a in variants.items():
             t = time.perf_counter()
             with autocast:
-                a(x)
+                step(a)
             if cuda:
                 torch.cuda.synchronize()
             times[k].append(time.perf_counter() - t)
@@ -1674,20 +1803,24 @@ def benchmark(args):
     for k, a in variants.items():  # the variants share the model: a NaN would time NaN steps
         finite = a.base == "source" or all(torch.isfinite(p).all() for p in a.params.values())
         require(finite, f"--benchmark: θ is not finite after {k}")
-    print(f"benchmark | {name} | batch {B} | {device.type} | {'bf16' if amp else 'fp32'} | "
-          f"median of {args.rounds} interleaved rounds")
+    n = B * acc  # images per timed step (a whole window with accumulate)
+    print(f"benchmark | {name} | batch {n}" + (f" (rows 'dp_<m> {B}x{acc}': batch {B}, a step "
+          f"per {acc} batches)" if acc > 1 else "") + f" | {device.type} | "
+          f"{'bf16' if amp else 'fp32'} | median of {args.rounds} interleaved rounds")
     print(f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}"
-          f"{'per-sample g MiB':>18}   (peak: CUDA max allocated; ratio: / the plain method)")
+          f"{'per-sample g MiB':>18}   (peak: CUDA max allocated; ratio: / the plain method, "
+          f"{B}x{acc}: / batch {n})")
     rows = []
     for k, a in variants.items():
         ms = 1000 * float(np.median(times[k]))
-        plain = 1000 * float(np.median(times[k.split()[0].removeprefix("dp_")]))
+        ref = k.split()[0] if a.accumulate > 1 else k.split()[0].removeprefix("dp_")
+        plain = 1000 * float(np.median(times[ref]))
         psg = 0.0  # the per-sample gradients themselves: B × adapted scalars, fp32
         if a.base != "source" and a.clip is not None:
-            psg = B * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20
-        rows.append({"variant": k, "ms": ms, "images_per_s": 1000 * B / ms, "ratio": ms / plain,
+            psg = n * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20
+        rows.append({"variant": k, "ms": ms, "images_per_s": 1000 * n / ms, "ratio": ms / plain,
                      "peak_mib": peak[k], "per_sample_grad_mib": psg})
-        print(f"{k:<16}{ms:>10.1f}{1000 * B / ms:>9.1f}{ms / plain:>8.2f}"
+        print(f"{k:<16}{ms:>10.1f}{1000 * n / ms:>9.1f}{ms / plain:>8.2f}"
               f"{'-' if math.isnan(peak[k]) else f'{peak[k]:.1f}':>10}{psg:>18.2f}")
     ops = f": {', '.join(VMAP_FALLBACKS)}" if fallbacks else ""
     print(f"vmap fallbacks: {fallbacks} (passes that ran an op once per sample; must be 0){ops}")

@@ -8,10 +8,14 @@
 #   ./run_imagenet_c.sh --tuned        the grid with the C and lr from $TUNED instead
 #   ./run_imagenet_c.sh bn             ResNet-50 with BatchNorm (resnet50.tv_in1k): source, norm,
 #                                      Tent (lr 2.5e-4, its paper's) and dp_norm at ε = 20, 5, 1
+#   ./run_imagenet_c.sh wild           SAR's wild settings (batch 1, mixed shifts, label shift by
+#                                      class) for every method: non-private, clip-only, ε = 5
 #   n=$(./run_imagenet_c.sh --count) && sbatch --array=0-$((n - 1)) --gres=gpu:1 run_imagenet_c.sh
 #                                      SLURM (submit from the repo): one cell per array task
 #                                      (add "tune" or "--tuned" after the script name as above)
 # Environment: IMAGENET_C (data root), SEEDS ("0 1 2"), SETTINGS ("continual episodic"),
+#   BATCHES ("64"; e.g. "1 16 64": the originals at that batch, the dp_ methods with
+#   --accumulate so that batch x accumulate = 64),
 #   METHODS ("source tent eata sar deyo deyo_come"), VARIANTS ("plain clip dp"),
 #   EPSILONS ("20 15 10 5 1"), OUT (results.jsonl), TUNE_OUT (tune.jsonl), TUNED (tuned.json),
 #   EXTRA (more dptta.py flags, e.g. "--limit 2000 --fisher-data /data/imagenet/val").
@@ -26,7 +30,7 @@
 #   The tune stage is 5 x 45 x 6 x 2 = 2,700 cells on 4 corruptions: use EXTRA="--limit 2000".
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script
-SEEDS=${SEEDS:-"0 1 2"}; SETTINGS=${SETTINGS:-"continual episodic"}
+SEEDS=${SEEDS:-"0 1 2"}; SETTINGS=${SETTINGS:-"continual episodic"}; BATCHES=${BATCHES:-64}
 METHODS=${METHODS:-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS:-"plain clip dp"}
 EPSILONS=${EPSILONS-"20 15 10 5 1"}
 OUT=${OUT:-results.jsonl}; TUNE_OUT=${TUNE_OUT:-tune.jsonl}; TUNED=${TUNED:-tuned.json}
@@ -34,7 +38,7 @@ EXTRA=${EXTRA:-}
 stage=main; dry=0; count=0; tuned=0
 for arg in "$@"; do
   case $arg in
-    --dry-run) dry=1 ;; --count) count=1 ;; --tuned) tuned=1 ;; tune|main|bn) stage=$arg ;;
+    --dry-run) dry=1 ;; --count) count=1 ;; --tuned) tuned=1 ;; tune|main|bn|wild) stage=$arg ;;
     *) echo "run_imagenet_c.sh: unknown argument $arg (see the header)" >&2; exit 2 ;;
   esac
 done
@@ -50,14 +54,16 @@ esac
 
 # One line of dptta.py flags per cell, from dptta's own tables of the paper's values.
 grid() {
-  STAGE=$stage SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS \
+  STAGE=$stage SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS BATCHES=$BATCHES \
   EPSILONS=$EPSILONS TUNED=$([ $tuned = 1 ] && echo "$TUNED") python3 - <<'PY'
 import itertools, json, os, sys
 import dptta
-env = {k: os.environ[k].split() for k in ("SEEDS", "SETTINGS", "METHODS", "VARIANTS", "EPSILONS")}
+env = {k: os.environ[k].split()
+       for k in ("SEEDS", "SETTINGS", "METHODS", "VARIANTS", "EPSILONS", "BATCHES")}
 tuned = json.load(open(os.environ["TUNED"])) if os.environ["TUNED"] else {}
 allowed = {"METHODS": ("source",) + tuple(b for b in dptta.BASES if b != "come"),
            "VARIANTS": ("plain", "clip", "dp"), "SETTINGS": ("continual", "episodic"),
+           "BATCHES": ("1", "2", "4", "8", "16", "32", "64"),
            "EPSILONS": ("20", "15", "10", "5", "1") if os.environ["STAGE"] == "main" and not tuned
            else tuple(env["EPSILONS"])}
 for name, values in env.items():  # one line and exit 2, before any cell
@@ -85,25 +91,40 @@ if os.environ["STAGE"] == "tune":  # the paper's grid, on held-out corruptions o
         how = f"--method {m}{constants(m)}" if col == "clip-only" else f"--method dp_{m} --eps {col}"
         print(f"{how} --clip {C} --lr {lr} --setting {setting} --seed {seed} "
               f"--corruptions {','.join(dptta.HELD_OUT)}")
+elif os.environ["STAGE"] == "wild":  # SAR's three wild settings, continual
+    wild = {"batch 1": "--batch-size 1", "mixed shifts": "--setting mixed",
+            "label shift": "--order class"}
+    for (name, how), seed in itertools.product(wild.items(), env["SEEDS"]):
+        print(f"--method source {how} --seed {seed}")
+        for m in methods:
+            C, lr = dptta.PAPER_CLIP_ONLY["continual"][m]
+            dp = " --accumulate 64" if name == "batch 1" else ""  # one noise per 64 images
+            C5, lr5 = dptta.PAPER_DP["continual"]["dp_" + m][5]
+            print(f"--method {m}{constants(m)} {how} --seed {seed}")
+            print(f"--method {m}{constants(m)} --clip {C} --lr {lr} {how} --seed {seed}")
+            print(f"--method dp_{m} --eps 5 --clip {C5} --lr {lr5} {how}{dp} --seed {seed}")
 elif os.environ["STAGE"] == "bn":  # a BatchNorm network: its statistics, private or not
     for setting, seed in itertools.product(env["SETTINGS"], env["SEEDS"]):
         for how in ("source", "norm", "tent --lr 0.00025", "dp_norm --eps 20", "dp_norm --eps 5",
                     "dp_norm --eps 1"):
             print(f"--method {how} --model resnet50.tv_in1k --setting {setting} --seed {seed}")
 else:
-    for setting, seed in itertools.product(env["SETTINGS"], env["SEEDS"]):
-        if "source" in env["METHODS"]:
+    for setting, seed, b in itertools.product(env["SETTINGS"], env["SEEDS"], env["BATCHES"]):
+        # batch b: the originals at b, the dp_ methods at b with a step per 64 // b batches
+        batch = "" if b == "64" else f" --batch-size {b}"
+        dp = batch + ("" if b == "64" else f" --accumulate {64 // int(b)}")
+        if "source" in env["METHODS"] and b == env["BATCHES"][-1]:  # no step: any batch
             print(f"--method source --setting {setting} --seed {seed}")
         for m in methods:
             if "plain" in env["VARIANTS"]:
-                print(f"--method {m}{constants(m)} --setting {setting} --seed {seed}")
+                print(f"--method {m}{constants(m)}{batch} --setting {setting} --seed {seed}")
             if "clip" in env["VARIANTS"]:
                 C, lr = tuned.get(f"{setting}/{m}/clip-only", dptta.PAPER_CLIP_ONLY[setting][m])
-                print(f"--method {m}{constants(m)} --clip {C} --lr {lr} --setting {setting} "
-                      f"--seed {seed}")
+                print(f"--method {m}{constants(m)} --clip {C} --lr {lr}{batch} --setting "
+                      f"{setting} --seed {seed}")
             for e in epsilons if "dp" in env["VARIANTS"] else []:
                 C, lr = tuned.get(f"{setting}/{m}/{e}", dptta.PAPER_DP[setting]["dp_" + m][e])
-                print(f"--method dp_{m} --eps {e} --clip {C} --lr {lr} --setting {setting} "
+                print(f"--method dp_{m} --eps {e} --clip {C} --lr {lr}{dp} --setting {setting} "
                       f"--seed {seed}")
 PY
 }
