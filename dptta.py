@@ -1,11 +1,8 @@
-"""dptta: differentially private test-time adaptation (DP-TTA) in one file.
-
-Reading guide: Part I (to the end of class DPTTA) is DP-TTA itself, to copy as one block;
-Part II runs it on ImageNet-C from the command line; the Appendix holds the tools.
-
-Test-time adaptation (Tent, EATA, SAR, DeYO, COME) updates a model's normalization layers
-(θ) on unlabeled test batches, leaking the test data. DP-TTA makes each update private, so
-that θ and every prediction for *other* images can be released (an image's own goes to it):
+"""dptta: differentially private test-time adaptation (DP-TTA) in one file. Part I (to the
+end of class DPTTA) is DP-TTA itself, to copy as one block; Part II runs it on ImageNet-C;
+the Appendix holds the tools. Test-time adaptation (Tent, EATA, SAR, DeYO, COME) updates a
+model's normalization layers θ on unlabeled test batches, leaking the test data. DP-TTA makes
+each update private: θ and every prediction for *other* images can be released.
 
     g_i = ∇θ ℓ(x_i)                                    one sample's own loss
     Δ   = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B   clip, sum, noise, average
@@ -118,7 +115,10 @@ VMAP_FALLBACKS = {}  # op -> passes in which vmap ran it once per sample
 
 
 def _trunk_cut(model):
-    """The first module of the top: ViT's last 3 blocks, the last stage or ResNet layerN."""
+    """The first module of the trunk's top, found by name: a `blocks` list (timm ViT, DeiT,
+    BEiT, EVA, CaiT, XCiT: its last 3), a `stages` list (ConvNeXt, Swin, PVT: the last) or
+    ResNet's layer1..layerN (layerN). Another model (torchvision's, Hugging Face's): None,
+    and SAR and DeYO adapt all its norms, as they do on a model with no such top."""
     layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -185,7 +185,9 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     with contextlib.ExitStack() as stack:  # ops with no vmap rule, swapped for exact ones:
         if x.device.type == "cpu":  # CPU's fused attention (CUDA's kernels batch as they are)
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        stack.enter_context(_mha_fastpath(False))  # nn.MultiheadAttention's eval fast path
+        mha = torch.backends.mha  # nn.MultiheadAttention's eval fast path (no derivative either)
+        stack.callback(mha.set_fastpath_enabled, mha.get_fastpath_enabled())  # restored after
+        mha.set_fastpath_enabled(False)
         for m in model.modules():  # adaptive pooling of a channels-last input (as_strided_)
             if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
                 stack.callback(m.register_forward_pre_hook(_contiguous).remove)
@@ -194,16 +196,6 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
 
 def _contiguous(module, args):  # the same values, in the memory layout vmap can batch
     return (args[0].contiguous(),) + args[1:]
-
-
-@contextlib.contextmanager
-def _mha_fastpath(enabled):
-    was = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(enabled)
-    try:
-        yield
-    finally:  # restored on an exception too
-        torch.backends.mha.set_fastpath_enabled(was)
 
 
 def logits_of(out):
@@ -217,12 +209,25 @@ def logits_of(out):
     return z
 
 
+def vmap_fallback(enabled):
+    """Switches vmap's per-sample fallback (off: an op with no batching rule raises) and returns
+    the old setting. A private torch API (torch._C._functorch): on a torch without it, None; the
+    pass then runs all the same, exact, but cannot certify that no op ran once per sample."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if not hasattr(functorch, "_set_vmap_fallback_enabled"):
+        warnings.warn("this torch cannot switch vmap's fallback off: no per-sample loop certified")
+        return None
+    was = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(enabled)
+    return was
+
+
 def _without_fallback(fn):
     """fn() with vmap's per-sample fallback made an error. An op that needs it anyway is warned
     about once, counted, and run with it (exact, slow), unless the caller had forbidden it."""
-    functorch = torch._C._functorch
-    allowed = functorch._is_vmap_fallback_enabled()
-    functorch._set_vmap_fallback_enabled(False)
+    allowed = vmap_fallback(False)
+    if allowed is None:
+        return fn()
     try:
         return fn()
     except RuntimeError as e:
@@ -230,7 +235,7 @@ def _without_fallback(fn):
         if not (op and allowed):
             raise
     finally:
-        functorch._set_vmap_fallback_enabled(allowed)
+        vmap_fallback(allowed)
     if op[1] not in VMAP_FALLBACKS:
         warnings.warn(f"per_sample_grads: {op[1]} has no vmap batching rule and runs once per "
                       "sample (exact, slow); use another op (timm: fused_attn=False)", stacklevel=3)
@@ -336,8 +341,8 @@ def bn_moments(x, mean, var, eps):
 #                                         PLPD > plpd_threshold             of x, for PLPD
 # deyo_come  as deyo, H_come for H        as deyo, with H_come       lower  as deyo
 # norm       no loss, no step: every BatchNorm layer normalizes with the test batch's statistics
-# dp_norm    no step: BN layer l normalizes with an average of private_bn_stats releases, σ_l =
-#            √L·σ for L layers (L releases of (2/σ_l)-GDP compose to (2/σ)-GDP per image)
+# dp_norm    no step: BN layer l normalizes with an average of private releases of its
+#            clipped bn_moments, σ_l = √L·σ for L layers (composing to (2/σ)-GDP per image)
 # dp_<method>: the same ℓ_i, clipped and noised, NO filter (whether sample i counts must
 # not depend on sample j, and a kept count is itself data); EATA's penalty is added after
 # the noise (it reads θ, θ0 and public F only); SAR ascends along the previous private
@@ -371,56 +376,52 @@ class DPTTA(nn.Module):
                  patch_grid=4, num_classes=None, bn="train", bn_scale=0.5, bn_momentum=0.1,
                  bn_floor=0.1, bn_layers=None, accumulate=1, chunk_size="auto"):
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        self.method, self.eps, self.privacy_unit, self.repeats = method, eps, privacy_unit, repeats
-        self.base = method.removeprefix("dp_")  # the original method
+        def need(ok, problem):  # the arguments in this order: the first wrong one, one line
+            if not ok:
+                raise ValueError(problem)
+
+        need(method in METHODS, f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        self.method, self.base = method, method.removeprefix("dp_")  # base: the original
         self.private = private = method.startswith("dp_")
         if private and eps is not None:
             _check_privacy(eps=eps, delta=delta)
-        for wrong, problem in (  # the first thing wrong, as one line
-                (private and eps is None, f"{method} needs eps (inf = clip only, no noise)"),
-                (not private and eps is not None, f"eps is for the dp_ methods only, not {method}"),
-                (private and clip is None and method != "dp_norm",
-                 f"{method} needs clip, the per-sample clip norm C"),
-                (clip is not None and not 0 < clip < math.inf,
-                 f"clip must be finite and > 0 (None: no clip), got {clip}"),
-                (method not in ("source",) + NORM_METHODS and not 0 < (lr or 0) < math.inf,
-                 f"{method} needs a finite lr > 0, got {lr}"),
-                (privacy_unit not in ("image", "photo"), "privacy_unit is 'image' or 'photo'"),
-                (not (isinstance(repeats, int) and repeats >= 1), "repeats must be an int >= 1"),
-                (bn not in ("train", "source"), "bn is 'train' (test batch) or 'source' (frozen)"),
-                (not (isinstance(accumulate, int) and accumulate >= 1)
-                 or (accumulate > 1 and method == "norm"), "accumulate must be an int >= 1 "
-                 "(norm keeps no state to accumulate)")):
-            if wrong:
-                raise ValueError(problem)
-        self.delta = delta if self.private else None
+        need(eps is not None or not private, f"{method} needs eps (inf = clip only, no noise)")
+        need(eps is None or private, f"eps is for the dp_ methods only, not {method}")
+        need(clip is not None or not private or method == "dp_norm",
+             f"{method} needs clip, the per-sample clip norm C")
+        need(clip is None or 0 < clip < math.inf,
+             f"clip must be finite and > 0 (None: no clip), got {clip}")
+        need(self.base in ("source", "norm") or 0 < (lr or 0) < math.inf,
+             f"{method} needs a finite lr > 0, got {lr}")
+        need(privacy_unit in ("image", "photo"), "privacy_unit is 'image' or 'photo'")
+        need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
+        need(bn in ("train", "source"), "bn is 'train' (test batch) or 'source' (frozen)")
+        need(isinstance(accumulate, int) and accumulate >= 1 and (accumulate == 1 or
+             method != "norm"), "accumulate must be an int >= 1 (norm keeps no state to add)")
+        self.eps, self.privacy_unit, self.repeats = eps, privacy_unit, repeats
         # repeats: the steps that see one unit (a photo in k streams, an image in k rounds)
         self.sigma = calibrate_sigma(eps=eps, delta=delta, repeats=repeats) if private else 0.0
+        self.delta = delta if private else None
+        self.clip, self.lr = clip and float(clip), lr and float(lr)
+        self.bn, self.accumulate, self.fisher = bn, accumulate, fisher
         self.releases = 1  # per image: one gradient step, or dp_norm's L layers
-        self.clip = None if clip is None else float(clip)
-        self.lr = None if lr is None else float(lr)
-        self.bn, self.accumulate = bn, accumulate
         self.model = model.eval()  # eval: no dropout, nothing random under vmap, BN frozen
         self.model.requires_grad_(False)
-        self.bn_src = {}  # dp_norm: {layer: its source (running_mean, running_var)}
-        self.window = []  # accumulate=k: the batches that wait for the window's step
+        self.bn_src, self.window = {}, []  # dp_norm's source statistics; accumulate's batches
+        self.params = self.model_params = {}  # θ (source, norm: none)
         if self.base == "source":
             return
         self._claim()
         if self.base == "norm":
             self._norm_setup(bn_layers)
         self.model_params = {} if self.base == "norm" else adaptable_params(
-            model, skip_top=self.base in LOWER_NORMS, private=self.clip is not None and bn == "train")
+            model, skip_top=self.base in LOWER_NORMS, private=clip is not None and bn == "train")
         # θ: fp32 masters of a bf16/fp16 model's parameters (an update below bf16's step at
         # 1.0, 2^-7, would round away), written back rounded after each step; else θ itself
-        self.params = {n: p if p.dtype in (torch.float32, torch.float64) else p.detach().float()
-                       for n, p in self.model_params.items()}
+        self.params = {n: (p if p.dtype in (torch.float32, torch.float64) else p.detach().float())
+                       .requires_grad_() for n, p in self.model_params.items()}
         if fisher is not None and set(fisher) != set(self.params):
             raise ValueError("fisher must have one tensor per adapted parameter (see .params)")
-        for p in self.params.values():
-            p.requires_grad_(True)
         for m in model.modules():  # bn="train" (originals, norm) as Tent: BN normalizes with
             if isinstance(m, BATCH_NORM) and bn == "train" and not self.bn_src:  # the test batch
                 m.train()
@@ -429,31 +430,22 @@ class DPTTA(nn.Module):
                        deyo_margin=deyo_margin, plpd_threshold=plpd_threshold,
                        patch_grid=patch_grid, fisher_lambda=fisher_lambda, num_classes=num_classes,
                        bn_scale=bn_scale, bn_momentum=bn_momentum, bn_floor=bn_floor)
-        come = partial(come_entropy, num_classes=num_classes)
-        self.ent = come if self.base in COME_LOSS else entropy
+        self.ent = entropy
+        if self.base in COME_LOSS:
+            self.ent = partial(come_entropy, num_classes=num_classes)
         device = next(model.parameters()).device
         # chunks of 8 on CPU stay in cache (ViT-S/16, 2 cores: 0.96x Tent's step; all 32: 1.42x)
-        cpu_chunk = 8 if device.type == "cpu" else None
-        self.chunk_size = cpu_chunk if chunk_size == "auto" else chunk_size
+        self.chunk_size = chunk_size
+        if chunk_size == "auto":
+            self.chunk_size = 8 if device.type == "cpu" else None
         # own seeded streams, never rewound by reset(): the same noise twice could cancel out
         self.noise_gen = torch.Generator(device).manual_seed(seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed + 1)
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        self.fisher = fisher
         self.tally = {}  # "nonfinite": samples left out for a non-finite loss or gradient
         self.reset()
 
-    def _claim(self):
-        """One live adapter per model: two would share θ, and one's reset() would reset both."""
-        taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED]
-        if taken:
-            raise ValueError(f"{taken[0]} is adapted by another live DPTTA (they would share θ); "
-                             "give this one copy.deepcopy(model), or del the other first")
-        _ADAPTED.update({id(p): self for p in self.model.parameters()})
-
-    def _norm_setup(self, layers):
-        """norm: BN on the test batch (train mode, below). dp_norm: the first `layers` BN layers
-        (None: all) in eval mode, with private statistics; L releases per image, so σ·√L."""
+    def _norm_setup(self, layers):  # dp_norm: the first `layers` BN layers, σ·√L (norm: all)
         bns = [(n, m) for n, m in self.model.named_modules() if isinstance(m, BATCH_NORM)]
         if not bns or self.bn != "train":
             raise ValueError(f"{self.method} re-estimates BatchNorm statistics: it needs a model "
@@ -463,6 +455,15 @@ class DPTTA(nn.Module):
                            for n, m in bns[:layers]}
             self.releases = len(self.bn_src)
             self.sigma *= math.sqrt(self.releases)
+
+    # -- one noise stream, one adapter per model: copies, checkpoints, resets ----------
+    def _claim(self):
+        """One live adapter per model: two would share θ, and one's reset() would reset both."""
+        taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED]
+        if taken:
+            raise ValueError(f"{taken[0]} is adapted by another live DPTTA (they would share θ); "
+                             "give this one copy.deepcopy(model), or del the other first")
+        _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __setstate__(self, state):
         """copy.copy, copy.deepcopy, pickle: the copy draws fresh noise from OS entropy, never
@@ -478,10 +479,10 @@ class DPTTA(nn.Module):
         positions included, so the noise goes on and never restarts. Load it into one adapter."""
         if self.base == "source":
             return {}
-        return {"method": self.method, "sigma": self.sigma, "theta": dict(self.params),
-                "theta0": self.theta0, "opt": self.opt and self.opt.state_dict(),
-                "ema": self.ema, "m": self.m, "g_prev": self.g_prev, "bn_ema": self.bn_ema,
-                "noise": self.noise_gen.get_state(), "shuffle": self.shuffle_gen.get_state()}
+        return dict(method=self.method, sigma=self.sigma, theta=dict(self.params),
+                    theta0=self.theta0, opt=self.opt and self.opt.state_dict(), ema=self.ema,
+                    m=self.m, g_prev=self.g_prev, bn_ema=self.bn_ema,
+                    noise=self.noise_gen.get_state(), shuffle=self.shuffle_gen.get_state())
 
     def set_extra_state(self, state):
         if self.base == "source":
@@ -489,14 +490,11 @@ class DPTTA(nn.Module):
         if (state["method"], state["sigma"]) != (self.method, self.sigma):
             raise ValueError(f"a checkpoint of {state['method']} (σ = {state['sigma']:.4g}) cannot "
                              f"resume {self.method} (σ = {self.sigma:.4g})")
-        self._set_theta(state["theta"])
-        with torch.no_grad():
-            for n, t in self.theta0.items():
-                t.copy_(state["theta0"][n])
+        self._set_theta(state["theta"], state["theta0"])
         if self.opt:
             self.opt.load_state_dict(state["opt"])
-        self.ema, self.m, self.g_prev = state["ema"], state["m"], state["g_prev"]
-        self.bn_ema = state["bn_ema"]
+        self.ema, self.m, self.g_prev, self.bn_ema = (state[k] for k in ("ema", "m", "g_prev",
+                                                                          "bn_ema"))
         self.noise_gen.set_state(state["noise"])
         self.shuffle_gen.set_state(state["shuffle"])
 
@@ -514,11 +512,13 @@ class DPTTA(nn.Module):
             self.model.get_submodule(bn).running_mean.copy_(mean)
             self.model.get_submodule(bn).running_var.copy_(var)
 
-    def _set_theta(self, values):  # θ, and a bf16/fp16 model's copy of its fp32 masters, rounded
+    def _set_theta(self, values, theta0=None):  # θ; a bf16/fp16 model gets its masters, rounded
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(values[n])
                 self.model_params[n].copy_(p)  # p itself in an fp32 model: a no-op
+                if theta0 is not None:
+                    self.theta0[n].copy_(theta0[n])
 
     # -- the few places where methods differ besides ℓ_i ----------------------
     def loss(self, logits, ctx):
@@ -528,8 +528,7 @@ class DPTTA(nn.Module):
         return confidence_weighted(logits, ctx, ent=self.ent, e_margin=self.hp["e_margin"],
                                    num_classes=self.hp["num_classes"])
 
-    def _keep(self, logits, ctx, keep):
-        """The original method's sample filter (None = keep all). DP variants have none."""
+    def _keep(self, logits, ctx, keep):  # the original's filter, and-ed into keep (None: all)
         if self.private or self.base in ("tent", "come"):
             return keep
         margin = self.hp["deyo_margin" if self.base in SHUFFLED else "e_margin"]
@@ -554,44 +553,55 @@ class DPTTA(nn.Module):
             xs = patch_shuffle(x, self.hp["patch_grid"], self.shuffle_gen)
             return logits_of(self.model(xs)).float().softmax(-1)
 
-    # -- one step shared by every method ---------------------------------------
+    # -- the gradient: private (per sample, clipped, noised) or plain ----------
     def _grad(self, x, ctx, shift=None, keep=None, clip=True):
-        """(logits, Δ, kept) at θ + shift: Δ averages the kept samples' clipped and noised
-        gradients (clip=False or no clip: their plain gradients); None if none is kept."""
-        p = {n: (t if shift is None else t + shift[n]).detach().to(self.model_params[n].dtype)
-             for n, t in self.params.items()}
+        """(logits, Δ, kept) at θ + shift; Δ is None when the filters keep no sample."""
+        theta = {n: (t if shift is None else t + shift[n]).detach().to(self.model_params[n].dtype)
+                 for n, t in self.params.items()}
         if self.clip is not None and clip:
-            g, logits = per_sample_grads(self.model, p, self.loss, x, ctx,
-                                         chunk_size=self.chunk_size)
-            keep = self._keep(logits, ctx, keep)
-            if keep is not None:  # originals only: the sample set (and B) is data dependent
-                if not keep.any():
-                    return logits, None, keep
-                g = {n: t[keep] for n, t in g.items()}
-            g = clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally)
-            return logits, g, keep
-        # Plain TTA, one batched backward. A non-finite sample would poison every gradient
-        # (0·NaN = NaN, whatever its weight): drop it, count it, forward the rest again.
-        p = {n: t.requires_grad_() for n, t in p.items()}
-        logits = z = logits_of(functional_call(self.model, p, (x,)))
-        keep = use = self._keep(logits, ctx, keep)
-        finite = torch.isfinite(logits).all(-1)
-        if not finite.all():
-            self.tally["nonfinite"] = self.tally.get("nonfinite", 0) + (~finite).sum()
-            keep = finite if keep is None else keep & finite
-            if keep.any():
-                z = logits_of(functional_call(self.model, p, (x[finite],)))
-                use = keep[finite]
-                ctx = None if ctx is None else ctx[finite]
+            return self._private_grad(theta, x, ctx, keep)
+        return self._plain_grad(theta, x, ctx, keep)
+
+    def _private_grad(self, theta, x, ctx, keep):
+        # Δ = (Σ_i clip(g_i) + N(0, σ²C²I)) / B over the kept samples (dp_: all of them)
+        g, logits = per_sample_grads(self.model, theta, self.loss, x, ctx,
+                                     chunk_size=self.chunk_size)
+        keep = self._keep(logits, ctx, keep)
+        if keep is not None:  # clip-only originals: the sample set (and B) is data dependent
+            if not keep.any():
+                return logits, None, keep
+            g = {n: t[keep] for n, t in g.items()}
+        return logits, clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally), keep
+
+    def _plain_grad(self, theta, x, ctx, keep):
+        # Δ = ∇ mean_kept ℓ_i: plain TTA, one batched backward
+        theta = {n: t.requires_grad_() for n, t in theta.items()}
+        logits = logits_of(functional_call(self.model, theta, (x,)))
+        keep = self._keep(logits, ctx, keep)
+        z, use, ctx, keep = self._guard_nonfinite(theta, logits, x, ctx, keep)
         if keep is not None and not keep.any():
             return logits, None, keep
         losses = self.loss(z, ctx)
-        losses = losses if use is None else losses[use]
-        g = torch.autograd.grad(losses.mean(), list(p.values()))
-        return logits, {n: at_least_fp32(t) for n, t in zip(p, g)}, keep
+        g = torch.autograd.grad((losses if use is None else losses[use]).mean(),
+                                list(theta.values()))
+        return logits, {n: at_least_fp32(t) for n, t in zip(theta, g)}, keep
 
+    def _guard_nonfinite(self, theta, logits, x, ctx, keep):
+        """Guard: a non-finite sample would poison the batch's gradient (0·NaN = NaN): it is
+        dropped, counted, the rest forwarded again. Returns (logits, use, ctx, keep)."""
+        finite = torch.isfinite(logits).all(-1)
+        if finite.all():
+            return logits, keep, ctx, keep
+        self.tally["nonfinite"] = self.tally.get("nonfinite", 0) + (~finite).sum()
+        keep = finite if keep is None else keep & finite
+        if not keep.any():
+            return logits, keep, ctx, keep
+        z = logits_of(functional_call(self.model, theta, (x[finite],)))
+        return z, keep[finite], None if ctx is None else ctx[finite], keep
+
+    # -- forward: predict, then step ---------------------------------------------
     def forward(self, x):
-        if self.base == "source" or not len(x):  # nothing to learn from
+        if self.base == "source" or not len(x):  # guard: an empty batch has nothing to teach
             with torch.no_grad():
                 return logits_of(self.model(x))
         if self.accumulate == 1:
@@ -615,49 +625,60 @@ class DPTTA(nn.Module):
     def _update(self, x):
         if self.base == "norm":  # no step: BN's statistics (dp_norm: released layer by layer)
             with torch.no_grad(), contextlib.ExitStack() as hooks:
-                for bn in self.bn_src:
-                    hook = partial(self._release_stats, bn)
-                    hooks.callback(self.model.get_submodule(bn).register_forward_pre_hook(
-                        hook).remove)
+                for name in self.bn_src:
+                    bn = self.model.get_submodule(name)
+                    hooks.callback(bn.register_forward_pre_hook(
+                        partial(self._release_stats, name)).remove)
                 return logits_of(self.model(x))
-        # called from inference code (no_grad, inference_mode), it adapts all the same
+        # guard: called from inference code (no_grad, inference_mode), it adapts all the same
         with torch.inference_mode(False), torch.enable_grad():
-            return self._adapt(x.clone() if x.is_inference() else x).detach()
+            x = x.clone() if x.is_inference() else x
+            step = self._gradient_step
+            if self.base == "sar":
+                step = self._dp_sat_step if self.private else self._sam_step
+            return step(x, self.context(x)).detach()
 
-    def _adapt(self, x):
-        ctx = self.context(x)
-        if self.base == "sar" and not self.private:
-            # SAM: ascend along the plain mean gradient (clip-only too, as the paper), take
-            # the gradient at θ + ρ·g/‖g‖ on the samples still kept there, step from θ
-            logits, g, keep = self._grad(x, ctx, clip=False)
-            if g is not None:
-                shifted, g, keep = self._grad(x, ctx, self._ascent(g), keep)
-            if g is not None:
-                self._step(g)
-                # recovery: ema ← 0.9·ema + 0.1·loss; a collapse (ema < reset_ema) resets
-                loss = self.ent(shifted.detach())[keep].mean().item()
-                if not math.isnan(loss):
-                    self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
-                if self.ema is not None and self.ema < self.hp["reset_ema"]:
-                    self.reset()  # θ and the optimizer
-        elif self.base == "sar":  # DP-SAT: ascend along the previous *private* gradient
-            shift = None if self.g_prev is None else self._ascent(self.g_prev)
-            logits, g, _ = self._grad(x, ctx, shift)
-            if shift is not None:  # predict with θ itself, not θ + shift
-                with torch.no_grad():
-                    logits = logits_of(self.model(x))
-            self.g_prev = g
+    def _gradient_step(self, x, ctx):  # every method but SAR: Δ at θ, then SGD
+        logits, g, _ = self._grad(x, ctx)
+        if g is not None:  # a batch in which no sample survives the filters: no step
             self._step(g)
-        else:
-            logits, g, _ = self._grad(x, ctx)
-            if g is not None:  # a batch in which no sample survives the filters: no step
-                self._step(g)
         return logits
+
+    def _sam_step(self, x, ctx):
+        # SAR: ascend along the plain mean gradient (clip-only too, as the paper), take the
+        # gradient at θ + ρ·g/‖g‖ on the samples still kept there, step from θ; then recovery
+        logits, g, keep = self._grad(x, ctx, clip=False)
+        if g is None:
+            return logits
+        logits_at_ascent, g, keep = self._grad(x, ctx, self._ascent(g), keep)
+        if g is not None:
+            self._step(g)
+            self._recover(self.ent(logits_at_ascent.detach())[keep].mean().item())
+        return logits
+
+    def _recover(self, loss):
+        # ema ← 0.9·ema + 0.1·loss; a collapse (ema < reset_ema) resets θ and the optimizer
+        if not math.isnan(loss):
+            self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
+        if self.ema is not None and self.ema < self.hp["reset_ema"]:
+            self.reset()
+
+    def _dp_sat_step(self, x, ctx):  # DP-SAR (DP-SAT): ascend along the last *private* Δ
+        shift = None if self.g_prev is None else self._ascent(self.g_prev)
+        logits, self.g_prev, _ = self._grad(x, ctx, shift)
+        if shift is not None:
+            with torch.no_grad():
+                logits = logits_of(self.model(x))
+        self._step(self.g_prev)
+        return logits
+
+    def _ascent(self, g):  # SAM's perturbation ρ·g/‖g‖
+        norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt()
+        return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}
 
     def _release_stats(self, name, bn, args):
         """dp_norm, before BN layer `name` normalizes (eval mode): the average of its private
-        releases becomes its statistics (post-processing). The variance is floored: a noisy
-        E[z²] − (E z)² near 0 would blow the activations up."""
+        releases becomes its statistics (post-processing), the variance floored."""
         mean, var = self.bn_src[name]
         v = bn_moments(args[0], mean, var, bn.eps)
         # (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B, c = scale·√(2C): a (2/σ_l)-GDP release
@@ -669,10 +690,6 @@ class DPTTA(nn.Module):
         self.bn_ema[name] = m, v
         bn.running_mean.copy_(mean + (var + bn.eps).sqrt() * m)  # μ = μ_src + σ_src·E z
         bn.running_var.copy_((var + bn.eps) * v)  # as train mode's: σ_src²·var z
-
-    def _ascent(self, g):
-        norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt()
-        return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}  # SAM: ρ·g/‖g‖
 
     def _step(self, g):
         for n, p in self.params.items():
@@ -900,7 +917,8 @@ HP_TYPES = {"e_margin": float, "d_margin": float, "rho": float, "reset_ema": flo
             "fisher_lambda": float, "fisher_size": int, "num_classes": int, "bn_scale": float,
             "bn_momentum": float, "bn_floor": float, "bn_layers": int}
 HP_RANGE = {"bn_scale": (0, math.inf), "bn_momentum": (0, math.nextafter(1, 2)),
-            "bn_floor": (-math.inf, math.inf), "bn_layers": (0, math.inf), "e_margin": (0, math.inf), "d_margin": (0, math.inf), "rho": (0, math.inf),
+            "bn_floor": (-math.inf, math.inf), "bn_layers": (0, math.inf),
+            "e_margin": (0, math.inf), "d_margin": (0, math.inf), "rho": (0, math.inf),
             "reset_ema": (-math.inf, math.inf), "deyo_margin": (0, math.inf),
             "plpd_threshold": (-1, 1), "patch_grid": (1, math.inf),
             "fisher_lambda": (0, math.inf), "fisher_size": (0, math.inf),
@@ -1438,9 +1456,9 @@ def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every, g
         scored += torch.bincount(group[y >= 0], minlength=groups)
         if (i + 1) % log_every == 0:
             seen = scored.sum().item()
-            print(f"  {c} {seen}/{len(loader.dataset)} top-1 "
-                  f"{100 * correct.sum().item() / max(seen, 1):.1f}% {rate(seen, time.time() - t0)}",
-                  flush=True)
+            top1 = 100 * correct.sum().item() / max(seen, 1)
+            print(f"  {c} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% "
+                  f"{rate(seen, time.time() - t0)}", flush=True)
     with autocast:
         adapter.flush()  # the stream's last, partial accumulate window steps too
     if adapter.params and not all(torch.isfinite(p).all() for p in adapter.params.values()):
@@ -1926,7 +1944,8 @@ def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
                 loss = a.loss(z, None if ctx is None else ctx[i:i + 1]).sum()
                 grads = torch.autograd.grad(loss, list(theta.values()), create_graph=True)
                 g.append(torch.cat([t.flatten() for t in grads]))
-            objective = F.cosine_similarity(g[0], g[1], 0) - 0.01 * (g[0].norm() * g[1].norm()).log()
+            norms = (g[0].norm() * g[1].norm()).log()
+            objective = F.cosine_similarity(g[0], g[1], 0) - 0.01 * norms
             opt.zero_grad()
             objective.backward()
             opt.step()
