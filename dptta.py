@@ -1342,7 +1342,9 @@ def privacy_ledger(adapter, streams, rounds=1):
         return {"private": False, "clip_only": True, "note": "clip only, not private",
                 "eps": adapter.eps, "clip": adapter.clip}
     s, d = adapter.sigma / math.sqrt(adapter.releases), adapter.delta  # σ of one step's μ
-    unit = f"one test image, replace-one neighbours, used in {rounds} step(s)"
+    unit = "one test image, replace-one neighbours, used in one step"
+    if rounds > 1:
+        unit = f"one test image, replace-one neighbours, used in {rounds} steps (one a round)"
     if adapter.privacy_unit == "photo":
         unit = f"one photo, replace-one neighbours, in each of its {streams * rounds} streams"
     return {"private": True, "eps": adapter.eps, "delta": d, "sigma": s, "mu": 2 / s,
