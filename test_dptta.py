@@ -895,6 +895,25 @@ def test_the_readmes_cpu_library_example_runs_as_printed(capsys):
     assert dptta.paper_hparams("dp_deyo", eps=5)[:2] == (0.1, 5e-3)
 
 
+
+def test_the_readmes_forty_line_dp_tent_ends_where_the_adapter_does(capsys):
+    """The README's DP-Tent from the building blocks, run as printed, against DPTTA's dp_tent
+    on the same model, batches and seed: the same θ (to float rounding: CPU chunks of 8)."""
+    block = next(b for b in readme_blocks() if "clip_and_noise(g" in b)
+    assert len(block.strip().splitlines()) <= 45
+    ns = {}
+    exec(compile(block, "README.md", "exec"), ns)
+    assert capsys.readouterr().out.strip() == "sigma 1.9601"
+    torch.manual_seed(0)
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                          depth=2, embed_dim=32, num_heads=2, num_classes=10)
+    a = dptta.DPTTA(m, "dp_tent", eps=5, clip=1.0, lr=1e-3, seed=0)
+    for x in ns["stream"]:
+        a(x)
+    assert any(not torch.equal(p, a.theta0[n]) for n, p in ns["theta"].items())  # it moved
+    for n, p in ns["theta"].items():
+        torch.testing.assert_close(a.params[n], p, rtol=1e-5, atol=1e-7)
+
 PART_ONE_ALONE = """
 import sys
 for name in ("timm", "torchvision", "PIL"):  # what the later parts need
