@@ -1152,8 +1152,9 @@ def check_args(args):
         require(getattr(args, flag) >= 1, f"--{flag} must be >= 1, got {getattr(args, flag)}")
     require(args.repeat == 1 or args.setting != "episodic",
             "--repeat is for continual or mixed streams (episodic resets anyway)")
-    require(args.accumulate == 1 or base not in ("source", "norm"),
-            f"--accumulate: {args.method} takes no step to accumulate")
+    for flag in ("accumulate", "repeat"):  # source and norm keep no state: nothing changes
+        require(getattr(args, flag) == 1 or base not in ("source", "norm"),
+                f"--{flag}: {args.method} keeps no state, so it changes nothing")
     require(args.severity is None or args.dataset == "imagenet_c",
             "--severity is for ImageNet-C only")
     args.severity = args.severity or 5
