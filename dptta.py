@@ -729,6 +729,15 @@ LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT
           "ImageNet-C is at https://zenodo.org/record/2235448")
 
 
+def reached_once(seen, path):
+    """Refuses a file or folder that `seen` {(device, inode): path} holds under another path."""
+    st = os.stat(path)
+    first = seen.setdefault((st.st_dev, st.st_ino), path)
+    if first != path:
+        raise ValueError(f"{path} is {first} again (a link?): each image must be reachable "
+                         "once in a stream; remove the link or copy the file")
+
+
 class WnidFolder(ImageFolder):
     """ImageFolder whose targets are ImageNet-1k indices found by WordNet id, never by
     enumeration (a tree with a subset of classes still scores right), and that yields
@@ -748,14 +757,7 @@ class WnidFolder(ImageFolder):
         """ImageFolder's listing, but a file or folder reached twice (a symlink, a hard link, a
         link loop) is refused: the privacy analysis counts each image once in a stream."""
         seen = {}  # (device, inode) -> the first path that reached it
-
-        def once(path):
-            st = os.stat(path)
-            first = seen.setdefault((st.st_dev, st.st_ino), path)
-            if first != path:
-                raise ValueError(f"{path} is {first} again (a link?): each image must be "
-                                 "reachable once in a stream; remove the link or copy the file")
-
+        once = partial(reached_once, seen)
         once(directory)
         samples = []
         for c in sorted(class_to_idx):
@@ -824,7 +826,9 @@ class Mixed(torch.utils.data.Dataset):
     TAG = 1000
 
     def __init__(self, streams):
-        self.parts = list(streams.values())
+        self.parts, seen = list(streams.values()), {}
+        for path, _ in (s for part in self.parts for s in part.samples):
+            reached_once(seen, path)  # one stream now: a file in two corruptions' folders, twice
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
         self.targets = [p.imagenet_index[t] for p in self.parts for t in p.targets]  # classes
 
@@ -1586,7 +1590,12 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
 
     run_id, start = uuid.uuid4().hex, time.time()
     # the run's units: each corruption (or, --setting mixed, all at once) in each round
-    sources = {"mixed": Mixed(streams)} if args.setting == "mixed" else streams
+    sources = streams
+    if args.setting == "mixed":
+        try:
+            sources = {"mixed": Mixed(streams)}
+        except ValueError as e:
+            fail(str(e))
     rounds, drift, images, unreadable, done = [{} for _ in range(args.repeat)], {}, 0, [], []
     if resume is not None:
         require(resume["key"] == key, f"{state} belongs to another run; remove it")
