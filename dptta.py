@@ -1660,9 +1660,9 @@ def save_state(path, state):
     try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-    except OSError as e:  # a full disk: the records are what matter; the run goes on
-        print(f"dptta: warning: cannot save {path} ({e.strerror}): a rerun would start afresh",
-              file=sys.stderr)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        print(f"dptta: warning: cannot save {path} ({one_line(e)}): a rerun would start "
+              "afresh (the records, which are what matter, go on)", file=sys.stderr)
 
 
 # ============================================================================
