@@ -2076,8 +2076,9 @@ def audit_cli(args):
     if not norm:  # end to end: a crafted image pair, C below both gradients (both clipped)
         t0 = time.time()
         pair = craft_canaries(a, (3, 32, 32), seed=args.seed)
-        if a.clip is not None and args.clip is None:  # below both, whatever DeYO's shuffle
-            a.clip = 0.9 * torch.cat([flat_sample_grads(a, pair) for _ in range(8)]).norm(
+        if a.clip is not None and args.clip is None:  # well below both, whatever DeYO's
+            # shuffle: the game is the same at any C below, and a skipped clip then shows
+            a.clip = 0.25 * torch.cat([flat_sample_grads(a, pair) for _ in range(8)]).norm(
                 dim=1).min().item()
         g = flat_sample_grads(a, pair)
         note = "; no clip"

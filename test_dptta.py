@@ -2225,14 +2225,25 @@ def test_crafted_canaries_are_clipped_to_opposite_ends(method):
     assert (clipped[0] - clipped[1]).norm() >= 0.95 * 2 * clip
 
 
-def test_end_to_end_game_alone_catches_half_the_noise():
-    """The classic bug (σ calibrated to C, not 2C) through the real adapter path: a crafted
-    pair, 5000 trials per world (the CLI's default), nothing but the adapted θ observed."""
+def test_end_to_end_game_alone_catches_half_the_noise_and_a_skipped_clip(monkeypatch):
+    """The classic bugs through the real adapter path: σ calibrated to C, not 2C, and the clip
+    skipped. A crafted pair, C at a quarter of its norms (as the CLI sets it), 5000 trials per
+    world (the CLI's default), nothing but the adapted θ observed."""
     a = dptta.DPTTA(tiny_vit(depth=2), "dp_tent", eps=5, clip=1.0, lr=0.1)
     pair = dptta.craft_canaries(a, (3, 32, 32))
-    a.clip = 0.9 * dptta.flat_sample_grads(a, pair).norm(dim=1).min().item()
+    a.clip = 0.25 * dptta.flat_sample_grads(a, pair).norm(dim=1).min().item()
     x = images(4)
     assert dptta.audit(a, x, pair[0], pair[1], trials=5000) <= 5  # correct: under the claim
+    real = dptta.clip_and_noise
+
+    def unclipped(g, clip, sigma, generator, tally=None):  # the bug: noise σ·C, but no clip
+        total = real(g, math.inf, 0.0, None, tally)  # Σ_i g_i / B, nothing clipped
+        return {n: t + sigma * clip * torch.randn(t.shape, generator=generator) / len(g[n])
+                for n, t in total.items()}
+
+    monkeypatch.setattr(dptta, "clip_and_noise", unclipped)
+    assert dptta.audit(a, x, pair[0], pair[1], trials=2000) > 5
+    monkeypatch.undo()
     a.sigma /= 2
     assert dptta.audit(a, x, pair[0], pair[1], trials=5000) > 5
 
