@@ -1097,8 +1097,7 @@ def parse_hp(items):
 def check_common(args, mode=None):
     """The flags every mode reads, and none of another mode's: one line and exit 2."""
     for flag, tool in (("rounds", "benchmark"), ("trials", "audit"), ("e2e_trials", "audit"),
-                       ("per_corruption",
-                       "summarize"), ("error", "summarize")):
+                       ("per_corruption", "summarize"), ("error", "summarize")):
         require(getattr(args, flag) in (None, False) or mode == tool,
                 f"--{flag.replace('_', '-')} is for --{tool} only")
     args.rounds = 5 if args.rounds is None else args.rounds
@@ -1152,13 +1151,12 @@ def check_args(args):
     order = args.order.partition(":")
     require(args.order in ("random", "class") or order[0] == "dirichlet" and _positive(order[2]),
             f"--order is random, class or dirichlet:ALPHA with ALPHA > 0, got {args.order!r}")
-    for flag in ("repeat", "accumulate"):
+    for flag in ("repeat", "accumulate"):  # source and norm keep no state: nothing changes
         require(getattr(args, flag) >= 1, f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    require(args.repeat == 1 or args.setting != "episodic",
-            "--repeat is for continual or mixed streams (episodic resets anyway)")
-    for flag in ("accumulate", "repeat"):  # source and norm keep no state: nothing changes
         require(getattr(args, flag) == 1 or base not in ("source", "norm"),
                 f"--{flag}: {args.method} keeps no state, so it changes nothing")
+    require(args.repeat == 1 or args.setting != "episodic",
+            "--repeat is for continual or mixed streams (episodic resets anyway)")
     require(args.severity is None or args.dataset == "imagenet_c",
             "--severity is for ImageNet-C only")
     args.severity = args.severity or 5
@@ -1302,12 +1300,13 @@ def read_jsonl(path, flag):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            else:
                 damaged.append(n)
-            if records and not isinstance(records[-1], dict):
-                damaged.append(n)
-                records.pop()
     require(records or not damaged, f"{path} holds no JSON line: not a JSONL file?")
     if damaged:
         lines = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
@@ -1427,6 +1426,12 @@ def rate(n, seconds):
     return f"{n / max(seconds, 1e-9):.3g} img/s"
 
 
+def is_finite(adapter, *tensors):
+    """θ and the given tensors (the logits) hold no NaN or inf: one device sync, not one each."""
+    checks = [torch.isfinite(t.detach()).all() for t in (*adapter.params.values(), *tensors)]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
 def fail_diverged(where):
     print(f"dptta: error: θ or the logits are not finite after {where} (lr or clip too "
           "large?); stopped, no record of this corruption or run", file=sys.stderr)
@@ -1454,10 +1459,7 @@ def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every, g
         y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1) never match nor count
         with autocast:
             logits = adapter(x)
-        finite = [torch.isfinite(logits).all()]  # NaN logits predict class 0: no accuracy
-        if adapter.base != "source":
-            finite += [torch.isfinite(p.detach()).all() for p in adapter.params.values()]
-        if not torch.stack(finite).all():  # one device sync
+        if not is_finite(adapter, logits):  # NaN logits predict class 0: no accuracy
             fail_diverged(f"batch {i + 1} of {c}")
         correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
         scored += torch.bincount(group[y >= 0], minlength=groups)
@@ -1468,7 +1470,7 @@ def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every, g
                   f"{rate(seen, time.time() - t0)}", flush=True)
     with autocast:
         adapter.flush()  # the stream's last, partial accumulate window steps too
-    if adapter.params and not all(torch.isfinite(p).all() for p in adapter.params.values()):
+    if not is_finite(adapter):
         fail_diverged(f"the last step of {c}")
     return correct.tolist(), scored.tolist(), unreadable
 
@@ -1543,8 +1545,8 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
     side = min(data_config["input_size"][1:])
     require(hp.get("patch_grid", 1) <= side,
             f"--hp patch_grid={hp.get('patch_grid')} is more patches than the {side}-pixel image")
-    require(args.bn is None or any(isinstance(m, BATCH_NORM) for m in model.modules()),
-            f"--bn {args.bn}: {args.model} has no BatchNorm layer")
+    has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
+    require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm layer")
     lookup = None
     if args.dataset == "imagenet_r":  # score the 1000-way head on the classes present, by wnid
         classes = sorted(set(streams["imagenet_r"].imagenet_index))
@@ -1580,7 +1582,7 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
         print(f"note: {args.method} without --fisher-data: no anti-forgetting penalty",
               file=sys.stderr)
     ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat)
-    if any(isinstance(m, BATCH_NORM) for m in model.modules()):
+    if has_bn:
         ledger["bn"] = adapter.bn  # which BatchNorm mode ran
     print_header(args, adapter, ledger, device, amp, hp_note)
     n = min(min(len(ds) for ds in streams.values()), args.limit or math.inf)
@@ -1831,8 +1833,7 @@ def benchmark(args):
             times[k].append(time.perf_counter() - t)
     fallbacks = sum(VMAP_FALLBACKS.values()) - fallbacks_before
     for k, a in variants.items():  # the variants share the model: a NaN would time NaN steps
-        finite = a.base == "source" or all(torch.isfinite(p).all() for p in a.params.values())
-        require(finite, f"--benchmark: θ is not finite after {k}")
+        require(is_finite(a), f"--benchmark: θ is not finite after {k}")
     n = B * acc  # images per timed step (a whole window with accumulate)
     print(f"benchmark | {name} | batch {n}" + (f" (rows 'dp_<m> {B}x{acc}': batch {B}, a step "
           f"per {acc} batches)" if acc > 1 else "") + f" | {device.type} | "
