@@ -1,8 +1,7 @@
-"""dptta: differentially private test-time adaptation (DP-TTA) in one file. Part I (to the
-end of class DPTTA) is DP-TTA itself, to copy as one block; Part II runs it on ImageNet-C;
-the Appendix holds the tools. Test-time adaptation (Tent, EATA, SAR, DeYO, COME) updates a
-model's normalization layers θ on unlabeled test batches, leaking the test data. DP-TTA makes
-each update private: θ and every prediction for *other* images can be released.
+"""dptta: differentially private test-time adaptation (DP-TTA). Test-time adaptation (Tent,
+EATA, SAR, DeYO, COME) updates a model's normalization layers θ on unlabeled test batches,
+leaking them; DP-TTA makes each update private, so θ and every prediction for *other* images
+can be released. Part I (to the end of class DPTTA) is DP-TTA, to copy as one block.
 
     g_i = ∇θ ℓ(x_i)                                    one sample's own loss
     Δ   = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B   clip, sum, noise, average
@@ -12,7 +11,8 @@ each update private: θ and every prediction for *other* images can be released.
     adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)  # as a library
 """
 # ============================================================================
-# Part I: DP-TTA (needs torch, numpy and scipy; nothing from the parts below)
+# Part I: DP-TTA (torch, numpy and scipy only). Part II runs it on ImageNet-C; the Appendix
+# holds the tools (--summarize, --benchmark, --audit)
 import contextlib
 import math
 import os
@@ -29,20 +29,17 @@ from scipy import optimize, special
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+def need(ok, problem):  # an argument check: the first that fails raises, in one line
+    if not ok:
+        raise ValueError(problem)
 
 # -- Privacy accounting: one pass, μ-GDP with μ = 2/σ ------------------------
-
-def _check_privacy(eps=None, delta=None, sigma=None):
-    if eps is not None and not eps > 0:  # `not >` also catches NaN
-        raise ValueError(f"eps must be > 0 (use inf for clip only, no noise), got {eps}")
-    if delta is not None and not 0 < delta < 1:
-        raise ValueError(f"delta must be in (0, 1), got {delta}")
-    if sigma is not None and not sigma >= 0:
-        raise ValueError(f"sigma must be >= 0, got {sigma}")
-
+def _check_privacy(eps=None, delta=None, sigma=None):  # NaN fails every comparison: refused
+    need(eps is None or eps > 0, f"eps must be > 0 (use inf for clip only, no noise), got {eps}")
+    need(delta is None or 0 < delta < 1, f"delta must be in (0, 1), got {delta}")
+    need(sigma is None or sigma >= 0, f"sigma must be >= 0, got {sigma}")
 
 _NODES, _WEIGHTS = np.polynomial.legendre.leggauss(16)
-
 
 def _log_gdp_delta(eps, sigma):
     # δ = Φ(x) − e^ε Φ(x − μ), x = −ε/μ + μ/2, in logs: log δ = log Φ(x) + log(1 − e^−D) with
@@ -59,19 +56,16 @@ def _log_gdp_delta(eps, sigma):
         return log_phi
     return log_phi + np.log(-np.expm1(-D))
 
-
 def gdp_delta(*, eps, sigma):
-    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ) for noise σ·C on a sum of sensitivity 2C:
-    replacing one image moves its clipped gradient by <= 2C, so a step is μ-GDP, μ = 2/σ (Dong,
-    Roth & Su 2022, Thm 2.7, Cor. 2.13), and so is the stream: an image is in one step, later
-    steps see it only through θ. A photo in k streams is μ√k-GDP: see calibrate_sigma."""
+    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ), noise σ·C on a sum of sensitivity 2C (one
+    image replaced moves its clipped gradient <= 2C): a step is μ-GDP, μ = 2/σ (Dong, Roth & Su
+    2022, Cor. 2.13), and so is the stream, which shows each image in one step only."""
     _check_privacy(eps=eps, sigma=sigma)
     if sigma == 0:
         return 1.0
     if math.isinf(eps) or math.isinf(sigma):
         return 0.0
     return float(np.exp(_log_gdp_delta(eps, sigma)))
-
 
 def _root(f, lo, hi):
     """The smallest x with f(x) <= 0, f decreasing: bracket, brentq, never a hair short."""
@@ -84,7 +78,6 @@ def _root(f, lo, hi):
         x *= 1 + 1e-10
     return float(x)
 
-
 def calibrate_sigma(*, eps, delta, repeats=1):
     """The smallest σ with gdp_delta(eps, σ/√repeats) <= delta; 0.0 for eps = inf.
     repeats = k releases of (2/σ)-GDP compose to (2√k/σ)-GDP (Dong, Roth & Su, Cor. 3.3)."""
@@ -95,7 +88,6 @@ def calibrate_sigma(*, eps, delta, repeats=1):
     sigma = _root(lambda s: np.exp(_log_gdp_delta(eps, s)) / delta - 1, 0.1, 1.0)
     return sigma * math.sqrt(repeats)
 
-
 def gdp_epsilon(*, sigma, delta):
     """The smallest ε with gdp_delta(ε, sigma) <= delta; inf for σ = 0."""
     _check_privacy(delta=delta, sigma=sigma)
@@ -105,78 +97,67 @@ def gdp_epsilon(*, sigma, delta):
         return 0.0
     return _root(lambda e: np.exp(_log_gdp_delta(e, sigma)) / delta - 1, 0.0, 1.0)
 
-
 # -- Per-sample gradients, clipping and noise --------------------------------
-
 # LayerNorm includes timm's LayerNorm2d (ConvNeXt); _BatchNorm, timm's BatchNormAct2d
 BATCH_NORM = nn.modules.batchnorm._BatchNorm
 NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM)
 VMAP_FALLBACKS = {}  # op -> passes in which vmap ran it once per sample
 
-
 def _trunk_cut(model):
-    """The first module of the trunk's top, found by name: a `blocks` list (timm ViT, DeiT,
-    BEiT, EVA, CaiT, XCiT: its last 3), a `stages` list (ConvNeXt, Swin, PVT: the last) or
-    ResNet's layer1..layerN (layerN). Another model (torchvision's, Hugging Face's): None,
-    and SAR and DeYO adapt all its norms, as they do on a model with no such top."""
+    """The first module of the trunk's top, by name: a `blocks` list's last 3 (timm ViT, DeiT,
+    BEiT, EVA, CaiT, XCiT), a `stages` list's last (ConvNeXt, Swin, PVT) or ResNet's layerN.
+    Any other model (torchvision's, Hugging Face's): None, and SAR and DeYO adapt all norms."""
     layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("blocks", "stages") and isinstance(module, (nn.Sequential, nn.ModuleList)):
-            top = len(module) - (3 if leaf == "blocks" else 1)
+            top = len(module) - {"blocks": 3, "stages": 1}[leaf]
             if top > 0:
                 return f"{name}.{top}"
         if re.fullmatch(r"layer\d+", leaf) and isinstance(module, nn.Sequential):
             layers.append((int(leaf[5:]), name))
     return max(layers)[1] if len(layers) > 1 else None
 
-
 def adaptable_params(model, *, skip_top=False, private=True):
-    """{name: affine parameter of a normalization layer}; skip_top (SAR, DeYO): only below
-    the trunk's top (ViT-B/16: blocks 0-8). private (per-sample clip, BatchNorm on the test
-    batch's statistics) refuses BatchNorm: a gradient is not the sample's own, its clip bounds
-    nothing. BN at its running (source) statistics is a per-sample map: pass private=False."""
+    """{name: affine parameter of a normalization layer}; skip_top (SAR, DeYO): only below the
+    trunk's top (ViT-B/16: blocks 0-8). private refuses BatchNorm on the batch's statistics: a
+    gradient is not one sample's own. BN frozen at its running statistics: private=False."""
     bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
     if private and bn:
         raise ValueError(f"BatchNorm ({bn[0]}, ...) mixes the samples of a batch: no per-sample "
                          'gradients (dp_, clip); bn="source" keeps its running statistics')
-    cut = _trunk_cut(model) if skip_top else None
-    modules = list(model.named_modules())
-    top = [name for name, _ in modules].index(cut) if cut else len(modules)
-    params = {f"{name}.{pname}": p for name, m in modules[:top] if isinstance(m, NORMS)
-              for pname, p in m.named_parameters(recurse=False)}  # the norms before the cut
-    if not params:
-        raise ValueError("the model has no normalization-layer affine parameters to adapt")
+    cut, params = skip_top and _trunk_cut(model), {}
+    for name, m in model.named_modules():
+        if name == cut:  # only the norms below the trunk's top
+            break
+        if isinstance(m, NORMS):
+            params.update({f"{name}.{k}": p for k, p in m.named_parameters(recurse=False)})
+    need(params, "the model has no normalization-layer affine parameters to adapt")
     return params
 
-
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
-    """g_i = ∇θ loss_fn(f_θ(x_i), ctx_i) for every sample i: ({name: [B, *shape]}, logits).
-    loss_fn: (logits [N, K], ctx [N, ...] or None) -> losses [N]; the rest of the model is
-    frozen. Sample i gets its own view θ_i of θ, and the forward runs under vmap: ℓ_i sees x_i
-    alone. Then ONE plain backward of Σ_j ℓ_j: only ℓ_i touches θ_i, so its gradient is g_i
-    exactly, and every backward kernel (fused attention's too: no vmap rule) runs once on
-    the batch, not once per sample as under vmap(grad(ℓ))."""
+    """g_i = ∇θ loss_fn(f_θ(x_i), ctx_i) for every sample i: ({name: [B, *shape]}, logits);
+    loss_fn: (logits [N, K], ctx [N, ...] or None) -> [N]. Sample i gets its own view θ_i of θ
+    and a vmapped forward that sees x_i alone; then ONE plain backward of Σ_j ℓ_j gives each
+    θ_i exactly g_i, every backward kernel running once on the batch (not once per sample, as
+    under vmap(grad(ℓ)): fused attention's backward has no vmap rule)."""
     coupled = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM) and m.training]
-    if coupled:  # the batch's statistics: g_i would not be sample i's own
-        raise ValueError(f"BatchNorm {coupled[0]} is in train mode: no per-sample gradients")
+    need(not coupled, f"BatchNorm {', '.join(coupled)} in train mode: no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
 
     def loss_one(theta_i, xi, ci):  # under vmap: one sample, its own θ_i
         logits = logits_of(functional_call(model, (theta_i, frozen), (xi[None],)))
-        return loss_fn(logits, None if ci is None else ci[None])[0], logits[0]
+        return loss_fn(logits, None if ctx is None else ci[None])[0], logits[0]
 
     def batched_pass():
-        grads, logits = [], []
-        step = chunk_size or len(x)  # samples per pass
-        for s in range(0, len(x), step):
-            xs = x[s:s + step]
-            cs = None if ctx is None else ctx[s:s + step]
+        grads, logits, step = [], [], chunk_size or len(x)  # step: samples per pass
+        stand_in = x.new_zeros(len(x), 0)  # no ctx: an empty one that vmap can split
+        for xs, cs in zip(x.split(step), (stand_in if ctx is None else ctx).split(step)):
             # [b, *shape] views of θ: 38k scalars a sample for ViT-B/16, nothing copied
             theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
                      for n, p in params.items()}
-            losses, z = vmap(loss_one, (0, 0, None if cs is None else 0))(theta, xs, cs)
+            losses, z = vmap(loss_one)(theta, xs, cs)
             grads.append(torch.autograd.grad(losses.sum(), list(theta.values()),
                                              allow_unused=True, materialize_grads=True))
             logits.append(z.detach())
@@ -190,44 +171,28 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
         mha.set_fastpath_enabled(False)
         for m in model.modules():  # adaptive pooling of a channels-last input (as_strided_)
             if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
-                stack.callback(m.register_forward_pre_hook(_contiguous).remove)
+                contiguous = m.register_forward_pre_hook(lambda _, a: (a[0].contiguous(), *a[1:]))
+                stack.callback(contiguous.remove)  # the same values, a layout vmap can batch
         return _without_fallback(batched_pass)
-
-
-def _contiguous(module, args):  # the same values, in the memory layout vmap can batch
-    return (args[0].contiguous(),) + args[1:]
-
 
 def logits_of(out):
     """A model's logits [B, K]: its output, or the output's .logits / ["logits"] (Hugging Face)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    z = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
+    z = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", out)
     if not isinstance(z, torch.Tensor):
         raise TypeError(f"the model returned a {type(out).__name__}; DPTTA needs logits [B, K]: "
                         "a tensor, or an output with .logits or ['logits']")
     return z
 
-
-def vmap_fallback(enabled):
-    """Switches vmap's per-sample fallback (off: an op with no batching rule raises) and returns
-    the old setting. A private torch API (torch._C._functorch): on a torch without it, None; the
-    pass then runs all the same, exact, but cannot certify that no op ran once per sample."""
+def _without_fallback(fn):
+    """fn() with vmap's per-sample fallback an error. An op that needs it is warned about once,
+    counted, and run with it (exact, slow) unless the caller had switched it off. The switch
+    is private torch API: a torch without it runs fn() all the same, exact, and says so."""
     functorch = getattr(torch._C, "_functorch", None)
     if not hasattr(functorch, "_set_vmap_fallback_enabled"):
         warnings.warn("this torch cannot switch vmap's fallback off: no per-sample loop certified")
-        return None
-    was = functorch._is_vmap_fallback_enabled()
-    functorch._set_vmap_fallback_enabled(enabled)
-    return was
-
-
-def _without_fallback(fn):
-    """fn() with vmap's per-sample fallback made an error. An op that needs it anyway is warned
-    about once, counted, and run with it (exact, slow), unless the caller had forbidden it."""
-    allowed = vmap_fallback(False)
-    if allowed is None:
         return fn()
+    allowed = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(False)
     try:
         return fn()
     except RuntimeError as e:
@@ -235,23 +200,20 @@ def _without_fallback(fn):
         if not (op and allowed):
             raise
     finally:
-        vmap_fallback(allowed)
+        functorch._set_vmap_fallback_enabled(allowed)
     if op[1] not in VMAP_FALLBACKS:
         warnings.warn(f"per_sample_grads: {op[1]} has no vmap batching rule and runs once per "
                       "sample (exact, slow); use another op (timm: fused_attn=False)", stacklevel=3)
     VMAP_FALLBACKS[op[1]] = VMAP_FALLBACKS.get(op[1], 0) + 1
     return fn()
 
-
-def at_least_fp32(t):  # bf16/fp16 -> fp32, fp64 stays fp64
-    return t.double() if t.dtype == torch.float64 else t.float()
-
+def at_least_fp32(t):  # bf16/fp16 -> fp32, fp64 stays fp64 (and t itself if it is fp32)
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
-    """Δ = (Σ_i g_i·min(1, C/‖g_i‖₂) + N(0, σ²C²I)) / B, the norm over all tensors jointly.
-    The noise fits the *sum* (sensitivity 2C); only then divide by B. In fp32 or better: a bf16
-    clip factor can push a norm over C. A non-finite g_i counts as 0 (norm <= C, decided on
-    sample i alone: the sensitivity stays 2C) and in tally["nonfinite"] (not private)."""
+    """Δ = (Σ_i g_i·min(1, C/‖g_i‖₂) + N(0, σ²C²I)) / B, one norm over all tensors; the noise
+    fits the *sum* (sensitivity 2C), then / B. In fp32 or better (a bf16 factor can push a norm
+    over C). A non-finite g_i counts as 0 (decided on i alone) and in tally["nonfinite"]."""
     g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
     # ‖g_i‖₂ over every adapted tensor together
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
@@ -269,15 +231,12 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
         out[name] = total / len(t)  # / B
     return out
 
-
 # -- Losses: per sample, logits [N, K] -> [N] --------------------------------
 # K: classes, of the logits or num_classes (the paper's ImageNet-R runs: 200 scored, K = 1000)
-
 def entropy(logits):
     # H(p) = −Σ_k p_k log p_k, p = softmax(z)
     logp = at_least_fp32(logits).log_softmax(-1)
     return -(logp.exp() * logp).sum(-1)
-
 
 def come_entropy(logits, num_classes=None):
     """COME: entropy of the Dirichlet opinion [b, u] instead of the softmax."""
@@ -290,13 +249,11 @@ def come_entropy(logits, num_classes=None):
     q = torch.cat([z, log_k], -1).softmax(-1) + 1e-7
     return -(q * q.log()).sum(-1)  # −Σ_{j=1}^{K+1} q_j log q_j
 
-
 def plpd(logits, shuffled_probs):
     # PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x): how much the prediction rests on shape
     p = at_least_fp32(logits).softmax(-1)
     y = p.argmax(-1, keepdim=True)
     return (p.gather(-1, y) - shuffled_probs.gather(-1, y)).squeeze(-1).detach()
-
 
 def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.4,
                         num_classes=None):
@@ -307,7 +264,6 @@ def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.
     if shuffled_probs is not None:
         w = w + torch.exp(plpd(logits, shuffled_probs))
     return w * H
-
 
 def patch_shuffle(x, grid, generator):
     """x′: each image cut into grid×grid patches, shuffled with its own permutation.
@@ -320,15 +276,12 @@ def patch_shuffle(x, grid, generator):
     out[..., :h * grid, :w * grid] = F.fold(patches, (h * grid, w * grid), (h, w), stride=(h, w))
     return out
 
-
 def bn_moments(x, mean, var, eps):
-    """DP-Norm's per-sample view of a BatchNorm layer's input x [B, C, ...]: v_i = (mean z,
-    mean z² − 1) ∈ R^{2C}, z = (x − μ_src)/√(var_src + eps). Measured from the public source
-    point (v = 0 there), so that clipping shrinks toward the source, not toward 0."""
-    z = at_least_fp32(x.flatten(2) if x.dim() > 2 else x[..., None])  # [B, C, H·W]
+    """DP-Norm's per-sample view of a BatchNorm input x [B, C, ...]: v_i = (mean z, mean z² − 1),
+    z = (x − μ_src)/√(var_src + eps): 0 at the public source, so a clip shrinks toward it."""
+    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, C, H·W] (BatchNorm1d's [B, C]: H·W = 1)
     z = (z - mean[:, None]) / (var[:, None] + eps).sqrt()
     return torch.cat([z.mean(-1), z.pow(2).mean(-1) - 1], 1)
-
 
 # -- The methods -------------------------------------------------------------
 # H: softmax entropy; H_come: COME's opinion entropy; E0 = e_margin·ln K.
@@ -357,9 +310,7 @@ WEIGHTED = ("eata", "deyo", "deyo_come")
 LOWER_NORMS = ("sar", "deyo", "deyo_come")
 SHUFFLED = ("deyo", "deyo_come")
 
-
 _ADAPTED = weakref.WeakValueDictionary()  # id(a model's parameter) -> the live DPTTA adapting it
-
 
 class DPTTA(nn.Module):
     """forward(x) predicts with θ, then adapts θ on x; it returns the prediction's logits [B, K],
@@ -369,17 +320,14 @@ class DPTTA(nn.Module):
     statistics ("train", Tent; no per-sample variant) or frozen at the source's ("source").
     The noise is a seeded stream that never repeats: reset() does not rewind it, a copy draws
     fresh OS entropy, and state_dict() carries its position to resume a run (load it once)."""
+    STATE = ("ema", "m", "g_prev", "bn_ema")  # besides θ: SAR's EMA, EATA's m, DP-SAR's Δ, BN's
 
     def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
                  clip=None, lr=None, seed=0, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
                  d_margin=0.05, rho=0.05, reset_ema=0.2, deyo_margin=0.5, plpd_threshold=0.2,
                  patch_grid=4, num_classes=None, bn="train", bn_scale=0.5, bn_momentum=0.1,
                  bn_floor=0.1, bn_layers=None, accumulate=1, chunk_size="auto"):
-        super().__init__()
-        def need(ok, problem):  # the arguments in this order: the first wrong one, one line
-            if not ok:
-                raise ValueError(problem)
-
+        super().__init__()  # the arguments, checked in this order:
         need(method in METHODS, f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method, self.base = method, method.removeprefix("dp_")  # base: the original
         self.private = private = method.startswith("dp_")
@@ -399,33 +347,11 @@ class DPTTA(nn.Module):
         need(isinstance(accumulate, int) and accumulate >= 1 and (accumulate == 1 or
              method != "norm"), "accumulate must be an int >= 1 (norm keeps no state to add)")
         self.eps, self.privacy_unit, self.repeats = eps, privacy_unit, repeats
-        # repeats: the steps that see one unit (a photo in k streams, an image in k rounds)
-        self.sigma = calibrate_sigma(eps=eps, delta=delta, repeats=repeats) if private else 0.0
-        self.delta = delta if private else None
+        self.sigma, self.delta = 0.0, None
+        if private:  # repeats: the steps that see one unit (a photo in k streams, k rounds)
+            self.sigma, self.delta = calibrate_sigma(eps=eps, delta=delta, repeats=repeats), delta
         self.clip, self.lr = clip and float(clip), lr and float(lr)
         self.bn, self.accumulate, self.fisher = bn, accumulate, fisher
-        self.releases = 1  # per image: one gradient step, or dp_norm's L layers
-        self.model = model.eval()  # eval: no dropout, nothing random under vmap, BN frozen
-        self.model.requires_grad_(False)
-        self.bn_src, self.window = {}, []  # dp_norm's source statistics; accumulate's batches
-        self.params = self.model_params = {}  # θ (source, norm: none)
-        if self.base == "source":
-            return
-        self._claim()
-        if self.base == "norm":
-            self._norm_setup(bn_layers)
-        self.model_params = {} if self.base == "norm" else adaptable_params(
-            model, skip_top=self.base in LOWER_NORMS, private=clip is not None and bn == "train")
-        # θ: fp32 masters of a bf16/fp16 model's parameters (an update below bf16's step at
-        # 1.0, 2^-7, would round away), written back rounded after each step; else θ itself
-        self.params = {n: (p if p.dtype in (torch.float32, torch.float64) else p.detach().float())
-                       .requires_grad_() for n, p in self.model_params.items()}
-        if fisher is not None and set(fisher) != set(self.params):
-            raise ValueError("fisher must have one tensor per adapted parameter (see .params)")
-        for m in model.modules():  # bn="train" (originals, norm) as Tent: BN normalizes with
-            if isinstance(m, BATCH_NORM) and bn == "train" and not self.bn_src:  # the test batch
-                m.train()
-                m.track_running_stats = False
         self.hp = dict(e_margin=e_margin, d_margin=d_margin, rho=rho, reset_ema=reset_ema,
                        deyo_margin=deyo_margin, plpd_threshold=plpd_threshold,
                        patch_grid=patch_grid, fisher_lambda=fisher_lambda, num_classes=num_classes,
@@ -433,11 +359,37 @@ class DPTTA(nn.Module):
         self.ent = entropy
         if self.base in COME_LOSS:
             self.ent = partial(come_entropy, num_classes=num_classes)
-        device = next(model.parameters()).device
+        self.model = model.eval().requires_grad_(False)  # eval: nothing random under vmap
+        self.releases, self.bn_src = 1, {}  # per image: one step, or dp_norm's L layers
+        self.params = self.model_params = {}  # θ (source, norm: none)
+        if self.base == "norm":  # BN's statistics; dp_norm: its first bn_layers layers, σ·√L
+            bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
+            need(bns and bn == "train", f"{method} re-estimates BatchNorm statistics: it needs a "
+                 "model with BatchNorm, and no bn='source'")
+            if private:
+                self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone())
+                               for n, m in bns[:bn_layers]}
+                self.releases = len(self.bn_src)
+                self.sigma *= math.sqrt(self.releases)
+        elif self.base != "source":
+            self.model_params = adaptable_params(model, skip_top=self.base in LOWER_NORMS,
+                                                 private=clip is not None and bn == "train")
+            # θ: fp32 masters of a bf16/fp16 model's parameters (an update below bf16's step at
+            # 1.0, 2^-7, would round away), written back rounded after each step; else θ itself
+            self.params = {n: at_least_fp32(p).requires_grad_()
+                           for n, p in self.model_params.items()}
+        need(fisher is None or set(fisher) == set(self.params),
+             "fisher must have one tensor per adapted parameter (see .params)")
+        if self.base != "source":  # source only predicts: it claims and switches nothing
+            self._claim()
+            for m in model.modules():  # bn="train" (originals, norm), as Tent: BatchNorm
+                if isinstance(m, BATCH_NORM) and bn == "train" and not self.bn_src:
+                    m.train()  # normalizes with the test batch's statistics
+                    m.track_running_stats = False
         # chunks of 8 on CPU stay in cache (ViT-S/16, 2 cores: 0.96x Tent's step; all 32: 1.42x)
-        self.chunk_size = chunk_size
-        if chunk_size == "auto":
-            self.chunk_size = 8 if device.type == "cpu" else None
+        device, self.chunk_size = next(model.parameters()).device, chunk_size
+        if chunk_size == "auto":  # GPU: the whole batch at once
+            self.chunk_size = {"cpu": 8}.get(device.type)
         # own seeded streams, never rewound by reset(): the same noise twice could cancel out
         self.noise_gen = torch.Generator(device).manual_seed(seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed + 1)
@@ -445,24 +397,12 @@ class DPTTA(nn.Module):
         self.tally = {}  # "nonfinite": samples left out for a non-finite loss or gradient
         self.reset()
 
-    def _norm_setup(self, layers):  # dp_norm: the first `layers` BN layers, σ·√L (norm: all)
-        bns = [(n, m) for n, m in self.model.named_modules() if isinstance(m, BATCH_NORM)]
-        if not bns or self.bn != "train":
-            raise ValueError(f"{self.method} re-estimates BatchNorm statistics: it needs a model "
-                             "with BatchNorm, and no bn='source'")
-        if self.private:
-            self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone())
-                           for n, m in bns[:layers]}
-            self.releases = len(self.bn_src)
-            self.sigma *= math.sqrt(self.releases)
-
     # -- one noise stream, one adapter per model: copies, checkpoints, resets ----------
     def _claim(self):
         """One live adapter per model: two would share θ, and one's reset() would reset both."""
         taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED]
-        if taken:
-            raise ValueError(f"{taken[0]} is adapted by another live DPTTA (they would share θ); "
-                             "give this one copy.deepcopy(model), or del the other first")
+        need(not taken, f"{', '.join(taken[:1])} is adapted by another live DPTTA (they would "
+             "share θ); give this one copy.deepcopy(model), or del the other first")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __setstate__(self, state):
@@ -471,41 +411,35 @@ class DPTTA(nn.Module):
         super().__setstate__(state)
         if self.base != "source":
             self._claim()
-            for g in (self.noise_gen, self.shuffle_gen):
-                g.manual_seed(int.from_bytes(os.urandom(8), "little"))
+        for g in (self.noise_gen, self.shuffle_gen):
+            g.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def get_extra_state(self):
         """In state_dict(), besides the model: what resumes a run exactly, the generators'
         positions included, so the noise goes on and never restarts. Load it into one adapter."""
-        if self.base == "source":
-            return {}
         return dict(method=self.method, sigma=self.sigma, theta=dict(self.params),
-                    theta0=self.theta0, opt=self.opt and self.opt.state_dict(), ema=self.ema,
-                    m=self.m, g_prev=self.g_prev, bn_ema=self.bn_ema,
-                    noise=self.noise_gen.get_state(), shuffle=self.shuffle_gen.get_state())
+                    theta0=self.theta0, opt=self.opt and self.opt.state_dict(),
+                    noise=self.noise_gen.get_state(), shuffle=self.shuffle_gen.get_state(),
+                    **{k: getattr(self, k) for k in self.STATE})
 
     def set_extra_state(self, state):
-        if self.base == "source":
-            return
-        if (state["method"], state["sigma"]) != (self.method, self.sigma):
-            raise ValueError(f"a checkpoint of {state['method']} (σ = {state['sigma']:.4g}) cannot "
-                             f"resume {self.method} (σ = {self.sigma:.4g})")
+        need((state["method"], state["sigma"]) == (self.method, self.sigma), f"a checkpoint of "
+             f"{state['method']} (σ = {state['sigma']:.4g}) cannot resume {self.method} (σ = "
+             f"{self.sigma:.4g})")
         self._set_theta(state["theta"], state["theta0"])
         if self.opt:
             self.opt.load_state_dict(state["opt"])
-        self.ema, self.m, self.g_prev, self.bn_ema = (state[k] for k in ("ema", "m", "g_prev",
-                                                                          "bn_ema"))
+        for k in self.STATE:
+            setattr(self, k, state[k])
         self.noise_gen.set_state(state["noise"])
         self.shuffle_gen.set_state(state["shuffle"])
 
     def reset(self):
         """Back to the source model: parameters, optimizer and method state (not the RNGs)."""
-        if self.base == "source":
-            return
         self._set_theta(self.theta0)
         self.opt = self.params and torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
-        self.ema = self.m = self.g_prev = None  # SAR's loss EMA, EATA's mean p, DP-SAR's last Δ
-        self.window = []  # an episodic reset drops the window: no step
+        self.ema = self.m = self.g_prev = None
+        self.window = []  # accumulate's batches: an episodic reset drops them unstepped
         # dp_norm: the average of the releases in z-space, from the source's (0, 1)
         self.bn_ema = {n: (0 * m, 0 * m + 1) for n, (m, _) in self.bn_src.items()}
         for bn, (mean, var) in self.bn_src.items():
@@ -556,7 +490,7 @@ class DPTTA(nn.Module):
     # -- the gradient: private (per sample, clipped, noised) or plain ----------
     def _grad(self, x, ctx, shift=None, keep=None, clip=True):
         """(logits, Δ, kept) at θ + shift; Δ is None when the filters keep no sample."""
-        theta = {n: (t if shift is None else t + shift[n]).detach().to(self.model_params[n].dtype)
+        theta = {n: (t + (shift or {}).get(n, 0)).detach().to(self.model_params[n].dtype)
                  for n, t in self.params.items()}
         if self.clip is not None and clip:
             return self._private_grad(theta, x, ctx, keep)
@@ -633,16 +567,13 @@ class DPTTA(nn.Module):
         # guard: called from inference code (no_grad, inference_mode), it adapts all the same
         with torch.inference_mode(False), torch.enable_grad():
             x = x.clone() if x.is_inference() else x
-            step = self._gradient_step
             if self.base == "sar":
-                step = self._dp_sat_step if self.private else self._sam_step
-            return step(x, self.context(x)).detach()
-
-    def _gradient_step(self, x, ctx):  # every method but SAR: Δ at θ, then SGD
-        logits, g, _ = self._grad(x, ctx)
-        if g is not None:  # a batch in which no sample survives the filters: no step
-            self._step(g)
-        return logits
+                sam = self._dp_sat_step if self.private else self._sam_step
+                return sam(x, self.context(x)).detach()
+            logits, g, _ = self._grad(x, self.context(x))  # every other method: Δ at θ, SGD
+            if g is not None:  # a batch in which no sample survives the filters: no step
+                self._step(g)
+            return logits.detach()
 
     def _sam_step(self, x, ctx):
         # SAR: ascend along the plain mean gradient (clip-only too, as the paper), take the
@@ -651,22 +582,21 @@ class DPTTA(nn.Module):
         if g is None:
             return logits
         logits_at_ascent, g, keep = self._grad(x, ctx, self._ascent(g), keep)
-        if g is not None:
-            self._step(g)
-            self._recover(self.ent(logits_at_ascent.detach())[keep].mean().item())
-        return logits
-
-    def _recover(self, loss):
-        # ema ← 0.9·ema + 0.1·loss; a collapse (ema < reset_ema) resets θ and the optimizer
+        if g is None:
+            return logits
+        self._step(g)
+        # recovery: ema ← 0.9·ema + 0.1·H; a collapse (ema < reset_ema) resets θ, optimizer
+        loss = self.ent(logits_at_ascent.detach())[keep].mean().item()
         if not math.isnan(loss):
             self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
         if self.ema is not None and self.ema < self.hp["reset_ema"]:
             self.reset()
+        return logits
 
     def _dp_sat_step(self, x, ctx):  # DP-SAR (DP-SAT): ascend along the last *private* Δ
-        shift = None if self.g_prev is None else self._ascent(self.g_prev)
+        shift = self.g_prev and self._ascent(self.g_prev)
         logits, self.g_prev, _ = self._grad(x, ctx, shift)
-        if shift is not None:
+        if shift:
             with torch.no_grad():
                 logits = logits_of(self.model(x))
         self._step(self.g_prev)
@@ -700,13 +630,11 @@ class DPTTA(nn.Module):
         self.opt.step()
         self._set_theta(self.params)
 
-
 # ============================================================================
 # Part II: running it (data, the paper's hyperparameters, the command line, main)
 import argparse
 import copy
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -720,7 +648,6 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
 
 # -- Data: ImageNet-C / ImageNet-R folders, labelled by WordNet id -----------
-
 CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur",
                "motion_blur", "zoom_blur", "snow", "frost", "fog", "brightness", "contrast",
                "elastic_transform", "pixelate", "jpeg_compression")
@@ -728,20 +655,16 @@ HELD_OUT = ("speckle_noise", "gaussian_blur", "spatter", "saturate")  # for choo
 LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT/<wnid>/*.jpg); "
           "ImageNet-C is at https://zenodo.org/record/2235448")
 
-
 def reached_once(seen, path):
     """Refuses a file or folder that `seen` {(device, inode): path} holds under another path."""
     st = os.stat(path)
     first = seen.setdefault((st.st_dev, st.st_ino), path)
-    if first != path:
-        raise ValueError(f"{path} is {first} again (a link?): each image must be reachable "
-                         "once in a stream; remove the link or copy the file")
-
+    need(first == path, f"{path} is {first} again (a link?): each image must be reachable once "
+         "in a stream; remove the link or copy the file")
 
 class WnidFolder(ImageFolder):
-    """ImageFolder whose targets are ImageNet-1k indices found by WordNet id, never by
-    enumeration (a tree with a subset of classes still scores right), and that yields
-    (None, path) for an unreadable image instead of ending a run hours in."""
+    """ImageFolder with ImageNet-1k targets by WordNet id, never by enumeration (a subset of
+    classes still scores right); an unreadable image is (None, path), not a crash hours in."""
 
     def __init__(self, root, transform=None):
         super().__init__(root, transform)  # raises if there is no class folder or one is empty
@@ -754,21 +677,18 @@ class WnidFolder(ImageFolder):
     @staticmethod
     def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None,
                      allow_empty=False):
-        """ImageFolder's listing, but a file or folder reached twice (a symlink, a hard link, a
-        link loop) is refused: the privacy analysis counts each image once in a stream."""
-        seen = {}  # (device, inode) -> the first path that reached it
-        once = partial(reached_once, seen)
+        """ImageFolder's listing; a file or folder reached twice (a link, a loop) is refused."""
+        once = partial(reached_once, {})  # (device, inode) -> the first path that reached it
         once(directory)
+        valid = is_valid_file or partial(has_file_allowed_extension, extensions=extensions)
         samples = []
         for c in sorted(class_to_idx):
             walk = []
             for folder, _, files in os.walk(os.path.join(directory, c), followlinks=True):
                 once(folder)  # a loop stops here, at its first turn
-                walk.append((folder, files))
-            found = [os.path.join(folder, f) for folder, files in sorted(walk)
-                     for f in sorted(files)]
-            found = [p for p in found if (has_file_allowed_extension(p, extensions)
-                                          if extensions else is_valid_file(p))]
+                walk.append((folder, sorted(files)))  # ImageFolder's order: folder, then file
+            found = [os.path.join(d, f) for d, files in sorted(walk) for f in files]
+            found = [p for p in found if valid(p)]
             if not found and not allow_empty:
                 raise FileNotFoundError(f"Found no valid file for the classes {c}")
             for path in found:
@@ -783,26 +703,20 @@ class WnidFolder(ImageFolder):
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             return None, path  # PIL: truncated, corrupt, not an image, a decompression bomb
 
-
 def collate_skipping(batch):
-    """(x, y, unreadable paths): an unreadable image becomes a gray placeholder labelled −1.
-    It is not scored, but it still counts in B: the divisor never depends on whether a file
-    could be read, and the placeholder is just another image, clipped like any (change-one)."""
-    good = [b for b in batch if b[0] is not None]
-    bad = [path for x, path in batch if x is None]
+    """(x, y, unreadable paths): an unreadable image becomes a gray placeholder labelled −1, not
+    scored but in B (the divisor never depends on a file's readability; clipped like any)."""
+    good, bad = [b for b in batch if b[0] is not None], [path for x, path in batch if x is None]
     if not good:
         return None, None, bad
     blank = (torch.zeros_like(good[0][0]), -1)
     x, y = default_collate([blank if b[0] is None else b for b in batch])
     return x, y, bad
 
-
 def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=False,
                  order="random"):
-    """A DataLoader over a seeded shuffle of the dataset (its first `limit` images), in the
-    order given: "random" (i.i.d.), "class" (sorted by class: SAR's online imbalanced label
-    shift) or "dirichlet:ALPHA" (label shift as RoTTA and the common TTA benchmark code draw
-    it: each class spread over as many time slots as there are classes by Dir(ALPHA))."""
+    """A DataLoader over a seeded shuffle (the first `limit` images) in `order`: "random", "class"
+    (SAR's label shift) or "dirichlet:ALPHA" (RoTTA's: each class spread by Dir(ALPHA))."""
     perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit]
     labels = np.asarray(dataset.targets)[perm.numpy()]
     if order == "class":
@@ -819,40 +733,21 @@ def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=F
     return DataLoader(Subset(dataset, perm.tolist()), batch_size, num_workers=workers,
                       collate_fn=collate_skipping, pin_memory=pin_memory)
 
-
-class Mixed(torch.utils.data.Dataset):
-    """--setting mixed: the corruptions' images as one stream (SAR's mixed shifts). Image i's
-    label is y + TAG·c, c its corruption, so that each is still scored per corruption."""
+class Mixed(torch.utils.data.ConcatDataset):
+    """--setting mixed (SAR's): one stream of all corruptions, labels y + TAG·c (c: corruption)."""
     TAG = 1000
 
     def __init__(self, streams):
-        self.parts, seen = list(streams.values()), {}
-        for path, _ in (s for part in self.parts for s in part.samples):
-            reached_once(seen, path)  # one stream now: a file in two corruptions' folders, twice
-        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
-        self.targets = [p.imagenet_index[t] for p in self.parts for t in p.targets]  # classes
-
-    def __len__(self):
-        return int(self.starts[-1])
+        super().__init__(list(streams.values()))
+        once = partial(reached_once, {})  # one stream now: a file in two corruptions' folders
+        for path, _ in (s for part in self.datasets for s in part.samples):
+            once(path)
+        self.targets = [p.imagenet_index[t] for p in self.datasets for t in p.targets]
 
     def __getitem__(self, i):
-        c = int(np.searchsorted(self.starts, i, "right")) - 1
-        x, y = self.parts[c][i - self.starts[c]]
+        x, y = super().__getitem__(i)
+        c = int(np.searchsorted(self.cumulative_sizes, i, "right"))  # its corruption
         return (x, y + self.TAG * c) if x is not None else (x, y)
-
-
-class ClassSubset(nn.Module):
-    """A 1000-way model scored on some classes only (ImageNet-R: its 200)."""
-
-    def __init__(self, model, classes):
-        super().__init__()
-        self.model = model
-        self.num_classes = len(classes)
-        self.register_buffer("classes", torch.as_tensor(classes))
-
-    def forward(self, x):
-        return self.model(x)[:, self.classes]
-
 
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     """An ImageNet-C-shaped tree of random JPEGs: n per corruption over 10 real wnids."""
@@ -865,15 +760,12 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
             Image.fromarray(pixels).save(os.path.join(folder, f"{i:06d}.JPEG"), quality=90)
     return root
 
-
 def fisher_information(model, params, images, n=2000):
     """EATA's F: mean over batches of (∇θ CE(f(x), argmax f(x)))², on n clean source images."""
-    fisher = {k: torch.zeros_like(p) for k, p in params.items()}
-    device = next(iter(params.values())).device
     p = {k: t.detach().requires_grad_() for k, t in params.items()}
-    batches, seen = 0, 0
+    fisher, batches, seen = {k: torch.zeros_like(t) for k, t in p.items()}, 0, 0
     for x in images:
-        x = x[:n - seen].to(device)
+        x = x[:n - seen].to(next(iter(p.values())).device)
         logits = functional_call(model, p, (x,))
         g = torch.autograd.grad(F.cross_entropy(logits, logits.argmax(1)), list(p.values()))
         for k, t in zip(p, g):
@@ -883,10 +775,8 @@ def fisher_information(model, params, images, n=2000):
             break
     return {k: f / max(batches, 1) for k, f in fisher.items()}
 
-
 # -- The paper's hyperparameters --------------------------------------------
 # ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream
-
 PAPER_DP = {  # setting -> method -> {ε: (C, lr)}
     "continual": {
         "dp_tent": {20: (0.1, 0.1), 15: (0.1, 0.05), 10: (0.1, 0.05), 5: (1, 1e-3), 1: (0.1, 5e-3)},
@@ -914,46 +804,30 @@ PAPER_LR = {  # non-private originals
 # matter for the originals and clip-only runs): SAR's E0 = 0.5·ln K, DeYO's τ_PLPD = 0.3.
 PAPER_CONSTANTS = {"sar": {"e_margin": 0.5}, "deyo": {"plpd_threshold": 0.3},
                    "deyo_come": {"plpd_threshold": 0.3}}
-# Method constants settable with --hp NAME=VALUE (DPTTA's keywords, and EATA's Fisher size),
-# with the open interval each must lie in
-HP_TYPES = {"e_margin": float, "d_margin": float, "rho": float, "reset_ema": float,
-            "deyo_margin": float, "plpd_threshold": float, "patch_grid": int,
-            "fisher_lambda": float, "fisher_size": int, "num_classes": int, "bn_scale": float,
-            "bn_momentum": float, "bn_floor": float, "bn_layers": int}
-HP_RANGE = {"bn_scale": (0, math.inf), "bn_momentum": (0, math.nextafter(1, 2)),
-            "bn_floor": (-math.inf, math.inf), "bn_layers": (0, math.inf),
-            "e_margin": (0, math.inf), "d_margin": (0, math.inf), "rho": (0, math.inf),
-            "reset_ema": (-math.inf, math.inf), "deyo_margin": (0, math.inf),
-            "plpd_threshold": (-1, 1), "patch_grid": (1, math.inf),
-            "fisher_lambda": (0, math.inf), "fisher_size": (0, math.inf),
-            "num_classes": (1, math.inf)}
-
+# Method constants settable with --hp NAME=VALUE (DPTTA's keywords, and EATA's Fisher size):
+# name -> (type, low, high), the open interval each must lie in
+inf = math.inf
+HP_TYPES = dict(e_margin=(float, 0, inf), d_margin=(float, 0, inf), rho=(float, 0, inf),
+                reset_ema=(float, -inf, inf), deyo_margin=(float, 0, inf),
+                plpd_threshold=(float, -1, 1), patch_grid=(int, 1, inf),
+                fisher_lambda=(float, 0, inf), fisher_size=(int, 0, inf), num_classes=(int, 1, inf),
+                bn_scale=(float, 0, inf), bn_momentum=(float, 0, math.nextafter(1, 2)),
+                bn_floor=(float, -inf, inf), bn_layers=(int, 0, inf))
 
 def constants_used(method, fisher=False):
-    """The --hp names that change a run of `method`: a filter's only where filters run (the
-    originals, clipped or not), EATA's Fisher constants only with a Fisher."""
-    private, base = method.startswith("dp_"), method.removeprefix("dp_")
-    used = {"rho"} if base == "sar" else set()
-    if method == "dp_norm":
-        used |= {"bn_scale", "bn_momentum", "bn_floor", "bn_layers"}
-    if base in WEIGHTED:  # the weight exp(E0 − H), E0 = e_margin·ln K
-        used |= {"e_margin", "num_classes"}
-    if base in COME_LOSS:  # u = K/S
-        used.add("num_classes")
-    if base in SHUFFLED:
-        used.add("patch_grid")
-    if fisher and base == "eata":
-        used |= {"fisher_lambda", "fisher_size"}
-    filters = {"eata": {"e_margin", "d_margin"}, "sar": {"e_margin", "reset_ema"},
-               "deyo": {"deyo_margin", "plpd_threshold"}}
-    if not private and base in BASES and base not in ("tent", "come"):
-        used |= filters[base.removesuffix("_come")] | {"num_classes"}  # margins of ln K
-    return used
-
+    """The --hp names that change a run of `method` (a filter's only where filters run)."""
+    base, deyo = method.removeprefix("dp_"), "deyo_margin plpd_threshold"
+    filters = dict(eata="e_margin d_margin", sar="e_margin reset_ema", deyo=deyo, deyo_come=deyo)
+    uses = [(base == "sar", "rho"), (base in SHUFFLED, "patch_grid"),
+            (method == "dp_norm", "bn_scale bn_momentum bn_floor bn_layers"),
+            (base in WEIGHTED, "e_margin num_classes"),  # weight exp(E0 − H), E0 = e_margin·ln K
+            (base in COME_LOSS, "num_classes"),  # COME's u = K/S
+            (fisher and base == "eata", "fisher_lambda fisher_size"),
+            (method in filters, f"{filters.get(method)} num_classes")]  # the originals' filters
+    return {name for on, names in uses if on for name in names.split()}
 
 def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
-    """(C, lr, where they come from) of the paper's tables for this method, ε and setting;
-    clip given for an original: its clip-only variant."""
+    """(C, lr, their source) from the paper's tables; an original with a clip: clip-only's."""
     private, base = method.startswith("dp_"), method.removeprefix("dp_")
     if base in ("source", "norm"):
         return None, None, "no gradient step"
@@ -961,122 +835,89 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
     if base == "come":  # the paper tunes COME only inside DeYO; Tent shares its all-norms setup
         table_base, note = "tent", "; no entry for COME alone, Tent's used"
     if (private and math.isinf(eps)) or (not private and clip is not None):
-        C, lr = PAPER_CLIP_ONLY[setting][table_base]
-        return C, lr, f"paper, clip-only {table_base}, {setting}{note}"
+        return (*PAPER_CLIP_ONLY[setting][table_base], f"paper, clip-only {table_base}, "
+                f"{setting}{note}")
     if not private:
-        lr = PAPER_LR[setting][table_base]
-        return None, lr, f"paper, non-private {table_base}, {setting}{note}"
+        where = f"paper, non-private {table_base}, {setting}{note}"
+        return None, PAPER_LR[setting][table_base], where
     row = PAPER_DP[setting]["dp_" + table_base]
     near = min(row, key=lambda e: abs(math.log(e / eps)))  # nearest tuned ε on a log scale
     if near != eps:
         note += f"; ε={eps:g} not tuned, nearest tuned ε={near} (log scale) used"
-    C, lr = row[near]
-    return C, lr, f"paper, dp_{table_base} ε={near}, {setting}{note}"
-
+    return (*row[near], f"paper, dp_{table_base} ε={near}, {setting}{note}")
 
 # -- The command line --------------------------------------------------------
-
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
 STOP = []  # signals received: the stream loop checks it, so no teardown can swallow a Ctrl-C
 
-
-def fail(msg):
-    """A bad input: one line on stderr, exit code 2, no traceback."""
+def fail(msg):  # a bad input: one line on stderr, exit code 2, no traceback
     print(f"dptta: error: {msg}", file=sys.stderr)
     sys.exit(2)
-
-
-def one_line(e):
-    """An exception's whole message on one line."""
-    return " ".join(str(e).split()) or type(e).__name__
-
 
 def require(ok, msg):
     if not ok:
         fail(msg)
 
+def one_line(e):  # an exception's whole message on one line
+    return " ".join(str(e).split()) or type(e).__name__
+
+def or_fail(make, *args, **kwargs):  # make(...), or its ValueError as one line and exit 2
+    try:
+        return make(*args, **kwargs)
+    except ValueError as e:
+        fail(str(e))
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own complaints: one line and exit 2 too
         fail(message)
 
-
 def parse_args(argv=None):
     ap = Parser(description="Differentially private test-time adaptation on ImageNet-C/-R.")
     g = ap.add_argument_group("method and privacy").add_argument
-    g("--method", default="dp_tent", choices=METHODS,
-      help="source, an original TTA method, or its dp_ variant (default dp_tent)")
-    g("--eps", type=float, default=None,
-      help="dp_ methods: ε per privacy unit; inf = clip only, not private (default 5)")
-    g("--delta", type=float, default=None, help="dp_ methods: δ (default 1e-6)")
-    g("--privacy-unit", default="image", choices=("image", "photo"),
-      help="image: each test image, as the paper (default); photo: each underlying photo "
-           "over all the streams it is in (σ·√k)")
-    g("--clip", type=float, default=None,
-      help="per-sample clip norm C; on an original = its clip-only variant (default: the "
-           "paper's C for dp_ methods, none for the originals)")
-    g("--lr", type=float, default=None,
-      help="SGD learning rate, momentum 0.9 (default: the paper's)")
+    g("--method", default="dp_tent", choices=METHODS, help="default dp_tent")
+    g("--eps", type=float, help="dp_ methods: ε per privacy unit; inf = clip only (default 5)")
+    g("--delta", type=float, help="dp_ methods: δ (default 1e-6)")
+    g("--privacy-unit", default="image", choices=("image", "photo"), help="photo: σ·√streams")
+    g("--clip", type=float, help="per-sample clip C (dp_: the paper's); an original: clip-only")
+    g("--lr", type=float, help="SGD learning rate, momentum 0.9 (default: the paper's)")
     g("--hp", action="append", default=[], metavar="NAME=VALUE",
       help=f"a method constant, repeatable: {', '.join(HP_TYPES)}")
     g = ap.add_argument_group("data").add_argument
     g("--data", default=os.environ.get("IMAGENET_C"), help="dataset root (default: $IMAGENET_C)")
-    g("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"),
-      help="folder layout and label space (default imagenet_c)")
-    g("--severity", type=int, default=None, help="ImageNet-C severity, 1-5 (default 5)")
-    g("--corruptions", default=",".join(CORRUPTIONS),
-      help="comma-separated, streamed in this order (default: the 15 of the paper)")
-    g("--fisher-data", default=None,
-      help="EATA: clean source images (ImageNet val, <wnid>/ folders) for the Fisher")
-    g("--limit", type=int, default=None, help="images per corruption, for quick looks")
-    g("--workers", type=int, default=min(8, os.cpu_count() or 1),
-      help="DataLoader worker processes (default min(8, CPUs))")
-    g("--synthetic", type=int, default=None, metavar="N",
-      help="smoke run: N random images per corruption in a generated tree, random weights "
-           "unless --checkpoint (chance accuracy)")
+    g("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"))
+    g("--severity", type=int, help="ImageNet-C severity, 1-5 (default 5)")
+    g("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, in stream order")
+    g("--fisher-data", help="EATA: clean source images (<wnid>/ folders) for the Fisher")
+    g("--limit", type=int, help="images per corruption, for quick looks")
+    g("--workers", type=int, default=min(8, os.cpu_count() or 1), help="DataLoader workers")
+    g("--synthetic", type=int, metavar="N", help="smoke run: N random images a corruption")
     g = ap.add_argument_group("model").add_argument
-    g("--model", default=None, help=f"timm model name (default {DEFAULT_MODEL}; --benchmark "
-                                    "on CPU: vit_small_patch16_224)")
-    g("--checkpoint", default=None, help="local weights for --model (offline clusters)")
-    g("--device", default="auto", choices=("auto", "cuda", "cpu"),
-      help="auto = cuda if available, else cpu")
-    g("--amp", default="bf16", choices=("bf16", "off"),
-      help="bf16 autocast for forward/backward on CUDA (default bf16)")
-    g("--bn", default=None, choices=("train", "source"),
-      help="BatchNorm models: normalize with the test batch (train; Tent's, originals only) or "
-           "the source's running statistics (source; any method). Default train")
+    g("--model", help=f"timm model name (default {DEFAULT_MODEL})")
+    g("--checkpoint", help="local weights for --model (offline clusters)")
+    g("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if any")
+    g("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast on CUDA (default)")
+    g("--bn", choices=("train", "source"), help="BatchNorm: the test batch's statistics or frozen")
     g = ap.add_argument_group("run").add_argument
     g("--setting", default="continual", choices=("continual", "episodic", "mixed"),
-      help="continual: one model through every corruption (default); episodic: reset model "
-           "and optimizer before each; mixed: all corruptions shuffled into one stream")
-    g("--order", default="random", help="random (i.i.d., default), class (sorted by class) or "
-                                       "dirichlet:ALPHA (label shift, e.g. dirichlet:0.01)")
-    g("--repeat", type=int, default=1,
-      help="continual: stream the corruption sequence N times, θ never reset (default 1)")
-    g("--accumulate", type=int, default=1,
-      help="predict each batch at arrival, step once per K batches (default 1)")
-    g("--batch-size", type=int, default=None,
-      help="test batch (default 64; --benchmark on CPU: 32)")
+      help="episodic: reset before each corruption; mixed: all in one shuffled stream")
+    g("--order", default="random", help="random, class (sorted) or dirichlet:ALPHA")
+    g("--repeat", type=int, default=1, help="stream the corruptions N times, θ never reset")
+    g("--accumulate", type=int, default=1, help="predict at arrival, step once per K batches")
+    g("--batch-size", type=int, help="test batch (default 64; --benchmark on CPU: 32)")
     g("--seed", type=int, default=0, help="data order, noise and patch shuffles (default 0)")
-    g("--out", default=None, help="JSON lines are appended here (default results.jsonl; "
-                                  "--synthetic: results-smoke.jsonl; --benchmark: "
-                                  "results-benchmark.jsonl; --audit: results-audit.jsonl)")
+    g("--out", help="appended JSON lines (default results.jsonl, results-smoke/-benchmark/-audit)")
     g("--resume", action="store_true", help="skip the run if --out already holds it")
     g("--log-every", type=int, default=100, help="a progress line every N batches (default 100)")
     g = ap.add_argument_group("tools").add_argument
-    g("--summarize", default=None, metavar="JSONL", help="print the paper-style tables of a file")
+    g("--summarize", metavar="JSONL", help="print the paper-style tables of a file")
     g("--per-corruption", action="store_true", help="--summarize: also a table per corruption")
-    g("--error", action="store_true", help="--summarize: error %% (100 − top-1) instead of top-1")
+    g("--error", action="store_true", help="--summarize: error %% (100 − top-1), not top-1")
     g("--benchmark", action="store_true", help="time one step of every method: plain, clip, DP")
-    g("--rounds", type=int, default=None,
-      help="--benchmark: timed rounds, median reported (default 5)")
+    g("--rounds", type=int, help="--benchmark: timed rounds, median reported (default 5)")
     g("--audit", action="store_true", help="empirical ε lower bound of --method at --eps")
-    g("--trials", type=int, default=None,
-      help="--audit: white-box trials per world (default 20000)")
-    g("--e2e-trials", type=int, default=None,
-      help="--audit: end-to-end trials per world (default 5000)")
+    g("--trials", type=int, help="--audit: white-box trials per world (default 20000)")
+    g("--e2e-trials", type=int, help="--audit: end-to-end trials per world (default 5000)")
     return ap.parse_args(argv)
-
 
 def parse_hp(items):
     """["e_margin=0.5", ...] -> {"e_margin": 0.5}: known names, finite numbers."""
@@ -1084,25 +925,24 @@ def parse_hp(items):
     for item in items:
         name, _, value = item.partition("=")
         require(name in HP_TYPES, f"--hp {item}: unknown constant; one of {', '.join(HP_TYPES)}")
+        kind, low, high = HP_TYPES[name]
         try:
-            hp[name] = HP_TYPES[name](value)
+            hp[name] = kind(value)
         except ValueError:
-            fail(f"--hp {item}: {value!r} is not a {HP_TYPES[name].__name__}")
+            fail(f"--hp {item}: {value!r} is not a {kind.__name__}")
         require(math.isfinite(hp[name]), f"--hp {item}: must be finite")
-        low, high = HP_RANGE[name]
         require(low < hp[name] < high, f"--hp {item}: must be in ({low:g}, {high:g})")
     return hp
 
-
 def check_common(args, mode=None):
     """The flags every mode reads, and none of another mode's: one line and exit 2."""
-    for flag, tool in (("rounds", "benchmark"), ("trials", "audit"), ("e2e_trials", "audit"),
-                       ("per_corruption", "summarize"), ("error", "summarize")):
-        require(getattr(args, flag) in (None, False) or mode == tool,
+    for flag, tool, default in (("rounds", "benchmark", 5), ("trials", "audit", 20000),
+                                ("e2e_trials", "audit", 5000), ("per_corruption", "summarize", 0),
+                                ("error", "summarize", 0)):
+        value = getattr(args, flag)
+        require(value in (None, False) or mode == tool,
                 f"--{flag.replace('_', '-')} is for --{tool} only")
-    args.rounds = 5 if args.rounds is None else args.rounds
-    args.trials = 20000 if args.trials is None else args.trials
-    args.e2e_trials = 5000 if args.e2e_trials is None else args.e2e_trials
+        setattr(args, flag, default if value is None else value)
     require(args.eps is None or args.eps > 0, f"--eps must be > 0, got {args.eps}")
     require(args.delta is None or 0 < args.delta < 1,
             f"--delta must be in (0, 1), got {args.delta}")
@@ -1110,23 +950,21 @@ def check_common(args, mode=None):
         v = getattr(args, flag)
         require(v is None or 0 < v < math.inf, f"--{flag} must be finite and > 0, got {v}")
     for flag, low in (("batch_size", 1), ("rounds", 1), ("trials", 100), ("e2e_trials", 100),
-                      ("workers", 0),
-                      ("seed", 0)):
+                      ("workers", 0), ("seed", 0), ("limit", 1), ("log_every", 1),
+                      ("synthetic", 1), ("repeat", 1), ("accumulate", 1)):
         v = getattr(args, flag)
         require(v is None or v >= low, f"--{flag.replace('_', '-')} must be >= {low}, got {v}")
     if args.model is not None:
         check_model(args.model)
     require(args.seed < 2 ** 63, f"--seed must be < 2**63, got {args.seed}")
-    if args.device == "cuda":
-        require(torch.cuda.is_available(), "--device cuda, but no CUDA device is visible")
+    require(args.device != "cuda" or torch.cuda.is_available(),
+            "--device cuda, but no CUDA device is visible")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
-
 def check_args(args):
-    """Every flag checked, defaults filled in; one line and exit 2 for anything wrong.
-    Touches no file: folders and weights are checked when they are opened, still
-    before the first image."""
+    """Every flag checked, defaults filled in; one line and exit 2 for anything wrong. Folders
+    and weights are checked when opened, still before the first image."""
     check_common(args)
     private, base = args.method.startswith("dp_"), args.method.removeprefix("dp_")
     suggestion = f" (try dp_{args.method})" if args.method != "source" else ""
@@ -1145,27 +983,21 @@ def check_args(args):
     if args.fisher_data and base != "eata":  # EXTRA of a grid passes it to every cell
         print(f"note: --fisher-data is for eata and dp_eata only; {args.method} ignores it")
         args.fisher_data = None
-    for flag in ("limit", "log_every", "synthetic"):
-        v = getattr(args, flag)
-        require(v is None or v >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     order = args.order.partition(":")
     require(args.order in ("random", "class") or order[0] == "dirichlet" and _positive(order[2]),
             f"--order is random, class or dirichlet:ALPHA with ALPHA > 0, got {args.order!r}")
     for flag in ("repeat", "accumulate"):  # source and norm keep no state: nothing changes
-        require(getattr(args, flag) >= 1, f"--{flag} must be >= 1, got {getattr(args, flag)}")
         require(getattr(args, flag) == 1 or base not in ("source", "norm"),
                 f"--{flag}: {args.method} keeps no state, so it changes nothing")
     require(args.repeat == 1 or args.setting != "episodic",
             "--repeat is for continual or mixed streams (episodic resets anyway)")
-    require(args.severity is None or args.dataset == "imagenet_c",
-            "--severity is for ImageNet-C only")
+    require(args.severity is None or args.dataset == "imagenet_c", "--severity: ImageNet-C only")
     args.severity = args.severity or 5
     require(1 <= args.severity <= 5, f"--severity must be in 1..5, got {args.severity}")
     args.hp = parse_hp(args.hp)
     for name in sorted(set(args.hp) - constants_used(args.method, bool(args.fisher_data))):
         fail(f"--hp {name} does not change a {args.method} run (see constants_used)")
-    args.batch_size = args.batch_size or 64
-    args.model = args.model or DEFAULT_MODEL
+    args.batch_size, args.model = args.batch_size or 64, args.model or DEFAULT_MODEL
     check_model(args.model)
     args.corruptions = [c for c in args.corruptions.split(",") if c]
     require(args.corruptions, "--corruptions is empty")
@@ -1181,24 +1013,19 @@ def check_args(args):
     require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
     require(args.synthetic or os.path.isdir(args.data),
             f"--data {args.data} is not a folder; {LAYOUT}")
-    for flag in ("checkpoint", "fisher_data"):
-        path = getattr(args, flag)
-        require(path is None or os.path.exists(path),
-                f"--{flag.replace('_', '-')} {path} does not exist")
-    require(args.checkpoint is None or os.path.isfile(args.checkpoint),
-            f"--checkpoint {args.checkpoint} is not a file")
-    require(args.fisher_data is None or os.path.isdir(args.fisher_data),
-            f"--fisher-data {args.fisher_data} is not a folder of <wnid>/ image folders")
+    for flag, fits, kind in (("checkpoint", os.path.isfile, "a file"),
+                             ("fisher_data", os.path.isdir, "a folder of <wnid>/ image folders")):
+        path, name = getattr(args, flag), "--" + flag.replace("_", "-")
+        require(path is None or os.path.exists(path), f"{name} {path} does not exist")
+        require(path is None or fits(path), f"{name} {path} is not {kind}")
     check_out(args, "results-smoke.jsonl" if args.synthetic else "results.jsonl")
     return args
-
 
 def _positive(text):
     try:
         return 0 < float(text) < math.inf
     except ValueError:
         return False
-
 
 def check_out(args, default):
     """--out (or default): a writable file in a folder that exists; its first record makes it."""
@@ -1209,7 +1036,6 @@ def check_out(args, default):
     require(os.access(args.out if os.path.exists(args.out) else folder, os.W_OK),
             f"--out {args.out} is not writable")
 
-
 def check_model(name):
     """A timm name, with a pretrained tag that timm knows if it has one."""
     require(timm.is_model(name), f"unknown timm model {name!r}")
@@ -1218,25 +1044,18 @@ def check_model(name):
     except RuntimeError as e:  # "Invalid pretrained tag (foo) for vit_base_patch16_224."
         fail(f"{e}; tags: {', '.join(timm.list_pretrained(name.split('.')[0] + '.*'))}")
 
-
 def open_folder(folder):
-    """A WnidFolder, or one line and exit 2: missing, no class folders, an empty class,
-    a class that is not a wnid."""
+    """A WnidFolder, or one line and exit 2 (missing, no class, an empty class, not a wnid)."""
     require(os.path.isdir(folder), f"missing {folder}; {LAYOUT}")
     try:
         return WnidFolder(folder)
     except (OSError, ValueError) as e:
         fail(f"{folder}: {one_line(e)}; {LAYOUT}")
 
-
 def open_streams(corruptions, root, severity):
     """{corruption: WnidFolder}: every stream's folder scanned before the first image."""
-    streams = {}
-    for c in corruptions:
-        folder = root if c == "imagenet_r" else os.path.join(root, c, str(severity))
-        streams[c] = open_folder(folder)
-    return streams
-
+    return {c: open_folder(root if c == "imagenet_r" else os.path.join(root, c, str(severity)))
+            for c in corruptions}
 
 def build_model(name, checkpoint=None, random_weights=False):
     """A timm model with its pretrained weights, a local checkpoint, or random weights."""
@@ -1255,32 +1074,22 @@ def build_model(name, checkpoint=None, random_weights=False):
             fail(f"--checkpoint {checkpoint} does not fit {name}: {one_line(e)}")
     return model
 
-
-def weights_id(args):
-    """What the weights are, for the resume key: a checkpoint by path, size and mtime."""
-    if args.checkpoint:
-        st = os.stat(args.checkpoint)
-        return {"checkpoint": os.path.abspath(args.checkpoint), "bytes": st.st_size,
-                "mtime": int(st.st_mtime)}
-    return "random" if args.synthetic else "pretrained"
-
-
 def run_key(args, dtype):
     """Everything that changes a result (the seed included; --summarize drops it)."""
-    key = {k: getattr(args, k) for k in (
-        "method", "eps", "delta", "privacy_unit", "clip", "lr", "hp", "batch_size", "setting",
-        "order", "repeat", "accumulate", "dataset", "severity", "corruptions", "model", "bn",
-        "seed", "limit")}
-    key["weights"] = weights_id(args)
+    key = {k: getattr(args, k) for k in ("method", "eps", "delta", "privacy_unit", "clip", "lr",
+           "hp", "batch_size", "setting", "order", "repeat", "accumulate", "dataset", "severity",
+           "corruptions", "model", "bn", "seed", "limit")}
+    key["weights"] = "random" if args.synthetic else "pretrained"
+    if args.checkpoint:  # by path, size and mtime
+        st = os.stat(args.checkpoint)
+        key["weights"] = {"checkpoint": os.path.abspath(args.checkpoint), "bytes": st.st_size,
+                          "mtime": int(st.st_mtime)}
     key["data"] = f"synthetic:{args.synthetic}" if args.synthetic else os.path.abspath(args.data)
-    key["fisher_data"] = args.fisher_data and os.path.abspath(args.fisher_data)
-    key["dtype"] = dtype
+    key.update(fisher_data=args.fisher_data and os.path.abspath(args.fisher_data), dtype=dtype)
     return json.loads(json.dumps(jsonable(key)))  # as it reads back (lists, not tuples)
 
-
 def jsonable(x):
-    """Standard JSON, which has no Infinity or NaN: a non-finite float is written as the string
-    "inf", "-inf" or "nan" (float() reads each back)."""
+    """Standard JSON has no inf or NaN: a non-finite float becomes "inf", "-inf" or "nan"."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
@@ -1289,10 +1098,8 @@ def jsonable(x):
         return [jsonable(v) for v in x]
     return x
 
-
 def read_jsonl(path, flag):
-    """The records of a JSONL file. A damaged line (a crash, a full disk) is skipped and named
-    once; a file with no record at all (binary?) is one line of error, exit 2."""
+    """A JSONL file's records; a damaged line is skipped and named, a file of none is exit 2."""
     require(os.path.isfile(path), f"{flag} {path} does not exist")
     records, damaged = [], []
     with open(path, errors="replace") as f:
@@ -1314,11 +1121,9 @@ def read_jsonl(path, flag):
               file=sys.stderr)
     return records
 
-
 def append_jsonl(path, record):
-    """Appends one whole JSON line (the first one creates the file). After a line left unended
-    (a crash, a full disk) it starts a new line, so no record is glued to a damaged one. A failed
-    write (ENOSPC, EIO) prints the record, so that it is not lost, and stops: exit 4."""
+    """Appends one whole JSON line (the first creates the file), on a new line after one left
+    unended (a crash, a full disk); a failed write prints the record (not lost) and exits 4."""
     line = (json.dumps(jsonable(record), allow_nan=False) + "\n").encode()
     try:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
@@ -1336,10 +1141,8 @@ def append_jsonl(path, record):
               file=sys.stderr)
         sys.exit(4)
 
-
 def privacy_ledger(adapter, streams, rounds=1):
-    """What is promised, to whom, in numbers. streams: how many streams show each photo;
-    rounds: how many times (--repeat) each image is streamed."""
+    """What is promised, to whom, in numbers; streams: showing each photo; rounds: --repeat."""
     if not adapter.private:
         return {"private": False, "clip": adapter.clip}
     if adapter.sigma == 0:
@@ -1359,21 +1162,19 @@ def privacy_ledger(adapter, streams, rounds=1):
             "eps_per_underlying_image": gdp_epsilon(sigma=s / math.sqrt(streams * rounds),
                                                     delta=d)}
 
-
 def print_header(args, adapter, ledger, device, amp, hp_note):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"dptta | {args.method} | {args.model} | {device.type} ({name}) | "
           f"{'bf16 autocast' if amp else 'fp32'}")
     if args.synthetic:
-        weights = "checkpoint weights" if args.checkpoint else "random weights"
-        print(f"SMOKE RUN: {args.synthetic} random images per corruption, {weights}: "
-              "accuracy is chance")
+        print(f"SMOKE RUN: {args.synthetic} random images per corruption, "
+              f"{'checkpoint' if args.checkpoint else 'random'} weights: accuracy is chance")
+    wild = [(args.order != "random", f"order {args.order}"),
+            (args.repeat > 1, f"{args.repeat} rounds"),
+            (args.accumulate > 1, f"a step per {args.accumulate} batches")]
     print(f"data: {args.data} | {args.dataset} severity {args.severity} | "
           f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | "
-          f"seed {args.seed}" + (f" | order {args.order}" if args.order != "random" else "")
-          + (f" | {args.repeat} rounds" if args.repeat > 1 else "")
-          + (f" | a step per {args.accumulate} batches" if args.accumulate > 1 else ""))
-    k = len(args.corruptions) * args.repeat
+          f"seed {args.seed}" + "".join(f" | {text}" for on, text in wild if on))
     clip = f"C = {adapter.clip:g} [{hp_note['clip']}]" if adapter.clip else ""
     if args.method == "dp_norm":  # L releases per image: σ_l = √L·σ each
         clip = (f"L = {adapter.releases} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}, "
@@ -1381,12 +1182,11 @@ def print_header(args, adapter, ledger, device, amp, hp_note):
     if ledger["private"]:
         print(f"privacy: ({args.eps:g}, {args.delta:g})-DP per {adapter.privacy_unit}: "
               f"σ = {ledger['sigma']:.4f}, μ = 2/σ = {ledger['mu']:.4f}-GDP per test image, "
-              f"{clip}")
-        print(f"  unit: {ledger['unit']}; released: adapted θ and every prediction for "
-              "other images")
-        if k > 1:
+              f"{clip}\n  unit: {ledger['unit']}; released: adapted θ and every prediction "
+              "for other images")
+        if ledger["repeats"] > 1:
             print(f"  per test image ε = {ledger['eps_per_test_image']:.3g}; per photo in all "
-                  f"{k} streams (μ√k) ε = {ledger['eps_per_underlying_image']:.3g}")
+                  f"{ledger['repeats']} streams (μ√k) ε = {ledger['eps_per_underlying_image']:.3g}")
     elif ledger.get("clip_only"):
         print(f"privacy: NONE: clip only (eps = inf), not private; {clip}")
     elif args.method != "source":
@@ -1396,53 +1196,29 @@ def print_header(args, adapter, ledger, device, amp, hp_note):
         hp = "".join(f" | {k}={v:g}" for k, v in args.hp.items())
         print(f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting "
               f"{len(adapter.params)} tensors, {n:,} scalars{hp}")
-    if "bn" in ledger:
-        print("BatchNorm: " + ("the test batch's statistics (train mode, as Tent)" if
-                               adapter.bn == "train" else "frozen at the source's running "
-                               "statistics (eval mode: a per-sample map)"))
-
-
-def run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift, unreadable,
-               images, wall):
-    """The JSON line of a finished run."""
-    return {
-        "mode": "adapt", "run_id": run_id, "key": key, "settings": dict(vars(args)),
-        "method": args.method, "eps": args.eps, "clip": adapter.clip, "lr": adapter.lr,
-        "hp": args.hp, "setting": args.setting, "seed": args.seed, "hparam_source": hp_note,
-        "smoke": bool(args.synthetic), "device": args.device, "dtype": key["dtype"],
-        "versions": {"torch": torch.__version__, "timm": timm.__version__}, "ledger": ledger,
-        "accuracy": accuracy, "error": {c: 100 - a for c, a in accuracy.items()},
-        "drift": drift, "mean": sum(accuracy.values()) / len(accuracy), "images": images,
-        "skipped": len(unreadable), "unreadable": unreadable, "images_per_s": images / wall,
-        "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
+    if "bn" in ledger:  # which BatchNorm mode ran
+        print(f"BatchNorm: {adapter.bn} (train: the test batch's statistics, as Tent; source: "
+              "frozen at the source's, a per-sample map)")
 
 def _stop(signum, frame):
     STOP.append(signum)
     raise KeyboardInterrupt
 
-
 def rate(n, seconds):
     return f"{n / max(seconds, 1e-9):.3g} img/s"
 
-
-def is_finite(adapter, *tensors):
-    """θ and the given tensors (the logits) hold no NaN or inf: one device sync, not one each."""
+def stop_unless_finite(adapter, where, *tensors):
+    """θ and the given tensors (the logits) hold no NaN or inf (one device sync), or exit 3."""
     checks = [torch.isfinite(t.detach()).all() for t in (*adapter.params.values(), *tensors)]
-    return bool(torch.stack(checks).all()) if checks else True
-
-
-def fail_diverged(where):
-    print(f"dptta: error: θ or the logits are not finite after {where} (lr or clip too "
-          "large?); stopped, no record of this corruption or run", file=sys.stderr)
-    sys.exit(3)
-
+    if checks and not torch.stack(checks).all():
+        print(f"dptta: error: θ or the logits are not finite after {where} (lr or clip too "
+              "large?); stopped, no record of this corruption or run", file=sys.stderr)
+        sys.exit(3)
 
 def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every, groups=1):
-    """One stream through the adapter: (correct, scored) per group (the corruptions of a
-    --setting mixed stream, whose labels carry their corruption; else one), unreadable paths."""
-    correct = torch.zeros(groups, dtype=torch.long, device=device)  # summed on the device
-    scored = torch.zeros(groups, dtype=torch.long, device=device)
+    """A stream through the adapter: (correct, scored) per group (a mixed stream's corruptions,
+    which its labels carry; else one), and the unreadable paths."""
+    correct, scored = torch.zeros(2, groups, dtype=torch.long, device=device)  # on the device
     unreadable, t0 = [], time.time()
     for i, (x, y, bad) in enumerate(loader):
         if STOP:  # a signal that a DataLoader's teardown swallowed: stop all the same
@@ -1459,21 +1235,17 @@ def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every, g
         y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1) never match nor count
         with autocast:
             logits = adapter(x)
-        if not is_finite(adapter, logits):  # NaN logits predict class 0: no accuracy
-            fail_diverged(f"batch {i + 1} of {c}")
+        stop_unless_finite(adapter, f"batch {i + 1} of {c}", logits)  # NaN predicts class 0
         correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
         scored += torch.bincount(group[y >= 0], minlength=groups)
         if (i + 1) % log_every == 0:
-            seen = scored.sum().item()
-            top1 = 100 * correct.sum().item() / max(seen, 1)
-            print(f"  {c} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% "
+            seen, hits = scored.sum().item(), correct.sum().item()
+            print(f"  {c} {seen}/{len(loader.dataset)} top-1 {100 * hits / max(seen, 1):.1f}% "
                   f"{rate(seen, time.time() - t0)}", flush=True)
     with autocast:
         adapter.flush()  # the stream's last, partial accumulate window steps too
-    if not is_finite(adapter):
-        fail_diverged(f"the last step of {c}")
+    stop_unless_finite(adapter, f"the last step of {c}")
     return correct.tolist(), scored.tolist(), unreadable
-
 
 def main(argv=None):
     args = parse_args(argv)
@@ -1487,23 +1259,20 @@ def main(argv=None):
     check_args(args)
     device = torch.device(args.device)
     amp = args.amp == "bf16" and device.type == "cuda"  # bf16 autocast on CPU is slow: off
-    private = args.method.startswith("dp_")
     tuned_on = "episodic" if args.setting == "episodic" else "continual"  # mixed: one stream
-    C, lr, source = paper_hparams(args.method, args.eps if private else math.inf, tuned_on,
-                                  args.clip)
-    hp_note = {"clip": "given" if args.clip is not None else source,
-               "lr": "given" if args.lr is not None else source}
-    args.clip = args.clip if args.clip is not None else C
-    args.lr = args.lr if args.lr is not None else lr
+    C, lr, source = paper_hparams(args.method, args.eps, tuned_on, args.clip)
+    hp_note = {"clip": "given", "lr": "given"}
+    for flag, paper in (("clip", C), ("lr", lr)):
+        if getattr(args, flag) is None:
+            setattr(args, flag, paper)
+            hp_note[flag] = source
     key = run_key(args, "bf16" if amp else "fp32")
     state = f"{args.out}.{uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))}.pt"
+    records = read_jsonl(args.out, "--out") if args.resume and os.path.exists(args.out) else []
+    if any(r.get("key") == key and r.get("mode") == "adapt" for r in records):
+        print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed}; skipped")
+        return 0
     resume = None
-    if args.resume and os.path.exists(args.out):
-        done = read_jsonl(args.out, "--out")
-        if any(r.get("key") == key and r.get("mode") == "adapt" for r in done):
-            print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed} "
-                  f"{args.setting}; skipped")
-            return 0
     if args.resume and os.path.exists(state):
         try:  # what a killed run of this key had finished, and where its noise stood
             resume = torch.load(state, map_location=device)
@@ -1520,58 +1289,47 @@ def main(argv=None):
                 make_synthetic_tree(args.data, args.corruptions, args.severity, args.synthetic)
             return adapt_and_record(args, key, device, amp, hp_note, state, resume)
     except KeyboardInterrupt:
-        name = signal.Signals(STOP[0]).name if STOP else "SIGINT"
-        print(f"dptta: stopped by {name}; finished corruptions are in {args.out}, no final "
-              "record (--resume goes on after them)", file=sys.stderr)
-        return 128 + (STOP[0] if STOP else signal.SIGINT)
+        signum = STOP[0] if STOP else signal.SIGINT
+        print(f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are in "
+              f"{args.out}, no final record (--resume goes on after them)", file=sys.stderr)
+        return 128 + signum
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
 
-
 def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
-    """Build (every input opened before the first image), adapt, record. After each corruption
-    its record, then the adapter's state to `state`, which a rerun with --resume goes on from:
-    with the noise generator where it stood, so no step draws the noise of another."""
+    """Build (every input opened before the first image), adapt, record: after each corruption
+    its record, then the adapter's state, which --resume goes on from, its noise where it stood."""
     streams = open_streams(args.corruptions, args.data, args.severity)
-    fisher_set = open_folder(args.fisher_data) if args.fisher_data else None
+    fisher_set = args.fisher_data and open_folder(args.fisher_data)  # None: no Fisher
     model = build_model(args.model, args.checkpoint, random_weights=bool(args.synthetic))
     data_config = timm.data.resolve_data_config({}, model=model)
-    transform = timm.data.create_transform(**data_config)
-    for ds in [*streams.values(), fisher_set]:
-        if ds is not None:
-            ds.transform = transform
-    hp = dict(args.hp)
-    side = min(data_config["input_size"][1:])
+    for ds in filter(None, [*streams.values(), fisher_set]):
+        ds.transform = timm.data.create_transform(**data_config)
+    hp, side = dict(args.hp), min(data_config["input_size"][1:])
     require(hp.get("patch_grid", 1) <= side,
             f"--hp patch_grid={hp.get('patch_grid')} is more patches than the {side}-pixel image")
     has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
     require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm layer")
-    lookup = None
-    if args.dataset == "imagenet_r":  # score the 1000-way head on the classes present, by wnid
+    lookup, logits = None, getattr(model, "num_classes", 0)
+    if args.dataset == "imagenet_r":  # the 1000-way head scored on the classes present (wnids)
         classes = sorted(set(streams["imagenet_r"].imagenet_index))
-        model = ClassSubset(model, classes)
-        lookup = torch.full((1000,), -1, dtype=torch.long)
-        lookup[classes] = torch.arange(len(classes))
-        lookup = lookup.to(device)
-    logits = getattr(model, "num_classes", 0)
+        scored = torch.as_tensor(classes, device=device)  # the model's output: those logits
+        model.register_forward_hook(lambda module, inputs, out: out[:, scored])
+        lookup, logits = torch.full((1000,), -1, device=device), len(classes)
+        lookup[classes] = torch.arange(len(classes), device=device)
     require(hp.get("num_classes", logits) >= logits,
             f"--hp num_classes={hp.get('num_classes')} is below the model's {logits} logits")
     model = model.to(device)
     if device.type == "cuda" and not hasattr(model, "blocks"):  # conv trunks like channels_last
         model = model.to(memory_format=torch.channels_last)
     fisher_size = hp.pop("fisher_size", 2000)
-    private = args.method.startswith("dp_")
-    try:
-        adapter = DPTTA(model, args.method, eps=args.eps if private else None,
-                        delta=args.delta or 1e-6, privacy_unit=args.privacy_unit,
-                        repeats=args.repeat * (len(streams) if args.privacy_unit == "photo"
-                                               else 1), clip=args.clip, lr=args.lr,
-                        seed=args.seed, bn=args.bn or "train", accumulate=args.accumulate, **hp)
-    except ValueError as e:
-        fail(str(e))
-    # bf16 autocast for forward and backward on CUDA (on CPU it is slow); clip, noise and
-    # the step stay in fp32 inside the adapter
+    photo = len(streams) if args.privacy_unit == "photo" else 1  # streams showing each unit
+    adapter = or_fail(DPTTA, model, args.method, eps=args.eps, delta=args.delta or 1e-6,
+                      privacy_unit=args.privacy_unit, repeats=args.repeat * photo, clip=args.clip,
+                      lr=args.lr, seed=args.seed, bn=args.bn or "train",
+                      accumulate=args.accumulate, **hp)
+    # bf16 autocast for forward and backward on CUDA (slow on CPU); clip, noise, step in fp32
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=amp)
     if args.fisher_data:
         loader = image_stream(fisher_set, args.batch_size, seed=args.seed, workers=args.workers)
@@ -1589,26 +1347,20 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
     if ledger["private"] and args.delta >= 1 / n:  # δ is a chance of releasing an image outright
         print(f"dptta: warning: δ = {args.delta:g} is not below 1/n = 1/{n} for a stream of {n} "
               "images; the usual rule is δ < 1/n (the paper's 1e-6 is)", file=sys.stderr)
-
-    run_id, start = uuid.uuid4().hex, time.time()
     # the run's units: each corruption (or, --setting mixed, all at once) in each round
-    sources = streams
-    if args.setting == "mixed":
-        try:
-            sources = {"mixed": Mixed(streams)}
-        except ValueError as e:
-            fail(str(e))
-    rounds, drift, images, unreadable, done = [{} for _ in range(args.repeat)], {}, 0, [], []
+    sources = {"mixed": or_fail(Mixed, streams)} if args.setting == "mixed" else streams
+    # what a killed run resumes from (with the adapter's state, saved after each corruption)
+    run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)],
+               drift={}, done=[], images=0, unreadable=[], wall=0.0)
     if resume is not None:
         require(resume["key"] == key, f"{state} belongs to another run; remove it")
-        adapter.set_extra_state(resume["adapter"])
-        run_id, rounds, drift, done = resume["run_id"], resume["rounds"], resume["drift"], \
-            resume["done"]
-        images, unreadable, start = resume["images"], resume["unreadable"], start - resume["wall"]
-        print(f"resumed run {run_id} after {', '.join(done)}, its noise where it stood")
+        adapter.set_extra_state(resume.pop("adapter"))
+        run = resume
+        print(f"resumed run {run['run_id']} after {', '.join(run['done'])}, noise where it stood")
+    start, drift = time.time() - run["wall"], run["drift"]
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
         label = name if args.repeat == 1 else f"{name}#{r + 1}"
-        if label in done:
+        if label in run["done"]:
             continue
         if args.setting == "episodic":
             adapter.reset()
@@ -1619,43 +1371,48 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
         correct, scored, bad = stream_through(adapter, loader, label, device=device,
                                               autocast=autocast, lookup=lookup,
                                               log_every=args.log_every, groups=len(groups))
-        images, unreadable = images + sum(scored), unreadable + bad
+        run["images"] += sum(scored)
+        run["unreadable"] += bad
         if adapter.params:  # ‖θ − θ0‖, how far θ moved (public: a function of θ)
             drift[label] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
                                          for n, p in adapter.params.items()))
         note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
         for c, hits, n in zip(groups, correct, scored):
-            rounds[r][c] = top1 = 100 * hits / max(n, 1)
-            append_jsonl(args.out, {"mode": "corruption", "run_id": run_id, "key": key,
+            run["rounds"][r][c] = top1 = 100 * hits / max(n, 1)
+            append_jsonl(args.out, {"mode": "corruption", "run_id": run["run_id"], "key": key,
                                     "corruption": c, "round": r + 1, "accuracy": top1,
                                     "error": 100 - top1, "images": n, "skipped": len(bad),
                                     "drift": drift.get(label), "smoke": bool(args.synthetic)})
             print(f"{c:<18} top-1 {top1:5.1f}% | {n} images | {rate(n, time.time() - t0)} | "
                   f"‖θ−θ0‖ {drift.get(label, 0.0):.4f}{note}", flush=True)
-        done.append(label)
-        save_state(state, {"key": key, "run_id": run_id, "rounds": rounds, "drift": drift,
-                           "done": done, "images": images, "unreadable": unreadable,
-                           "wall": time.time() - start, "adapter": adapter.get_extra_state()})
+        run["done"].append(label)
+        save_state(state, dict(run, wall=time.time() - start, adapter=adapter.get_extra_state()))
     # the mean over the rounds; each round's own in the record (the forgetting curve)
-    accuracy = {c: float(np.mean([acc[c] for acc in rounds])) for c in streams}
-    wall = time.time() - start
-    record = run_record(args, adapter, key, run_id, ledger, hp_note, accuracy, drift,
-                        unreadable, images, wall)
+    accuracy = {c: float(np.mean([acc[c] for acc in run["rounds"]])) for c in streams}
+    mean, wall, images = sum(accuracy.values()) / len(accuracy), time.time() - start, run["images"]
+    record = {
+        "mode": "adapt", "run_id": run["run_id"], "key": key, "settings": dict(vars(args)),
+        "method": args.method, "eps": args.eps, "clip": adapter.clip, "lr": adapter.lr,
+        "hp": args.hp, "setting": args.setting, "seed": args.seed, "hparam_source": hp_note,
+        "smoke": bool(args.synthetic), "device": args.device, "dtype": key["dtype"],
+        "versions": {"torch": torch.__version__, "timm": timm.__version__}, "ledger": ledger,
+        "accuracy": accuracy, "error": {c: 100 - a for c, a in accuracy.items()},
+        "drift": drift, "mean": mean, "images": images,
+        "skipped": len(run["unreadable"]), "unreadable": run["unreadable"],
+        "images_per_s": images / wall, "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if args.repeat > 1:
         record["rounds"] = [{"accuracy": acc, "mean": float(np.mean(list(acc.values())))}
-                            for acc in rounds]
+                            for acc in run["rounds"]]
         print("per round: " + " | ".join(f"{x['mean']:.1f}" for x in record["rounds"]))
-    mean = record["mean"]
     print("\n" + " | ".join(f"{c[:8]:>8}" for c in accuracy) + " |     mean")
     print(" | ".join(f"{a:8.1f}" for a in accuracy.values()) + f" | {mean:8.1f}")
-    if unreadable:
-        print(f"{len(unreadable)} unreadable image(s) skipped in all")
+    if run["unreadable"]:
+        print(f"{len(run['unreadable'])} unreadable image(s) skipped in all")
     append_jsonl(args.out, record)
     if os.path.exists(state):
         os.remove(state)
     print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | appended to {args.out}")
     return 0
-
 
 def save_state(path, state):
     """torch.save to a temporary file, then a rename: a kill leaves the old state or the new."""
@@ -1666,64 +1423,50 @@ def save_state(path, state):
         print(f"dptta: warning: cannot save {path} ({one_line(e)}): a rerun would start "
               "afresh (the records, which are what matter, go on)", file=sys.stderr)
 
-
 # ============================================================================
 # Appendix: tools (--summarize, --benchmark, --audit)
 from scipy import stats
 
-
 # -- --summarize: the paper's tables from a results file ---------------------
-
 def variant_of(record):
     """The table column of a run: non-private, clip-only, ε=inf (dp_, no noise) or ε=<eps>."""
     if not record["method"].startswith("dp_"):
         return "clip-only" if record["clip"] else "non-private"
-    eps = float(record["eps"])  # "inf" in the file: JSON has no Infinity
-    column = "ε=inf" if math.isinf(eps) else f"ε={eps:g}"
+    column = f"ε={float(record['eps']):g}"  # "inf" in the file (JSON has no Infinity): ε=inf
     if record["key"].get("privacy_unit", "image") == "photo":
         column += " photo"
     return column
-
 
 def cell(values, error):
     v = [100 - a for a in values] if error else values
     spread = f" ± {np.std(v, ddof=1):.1f}" if len(v) > 1 else ""
     return f"{np.mean(v):.1f}{spread} (n={len(v)})"
 
-
 def summarize(path, per_corruption=False, error=False):
-    """Tables of complete runs: rows = methods, columns = variants, mean ± sample std over
-    seeds (n shown). A cell groups the runs whose keys agree in all but the seed; smoke,
-    --limit and unfinished runs are listed apart, never averaged in."""
+    """Tables of complete runs: methods × variants, mean ± sample std over seeds (n shown) of
+    runs alike but for the seed; smoke, --limit and unfinished runs apart, never averaged in."""
     records = read_jsonl(path, "--summarize")
     finals = [r for r in records if r.get("mode") == "adapt" and "key" in r]
-    done = {r.get("run_id") for r in finals}
     done_keys = [r["key"] for r in finals]  # a dead run whose cell was rerun to the end: done
-    unfinished = {}
-    for r in records:
-        if r.get("mode") == "corruption" and r["run_id"] not in done and r["key"] not in done_keys:
-            unfinished.setdefault(r["run_id"], []).append(r)
+    unfinished = {}  # run_id -> the corruption records of a run with no final record
+    for r in (r for r in records if r.get("mode") == "corruption" and r["key"] not in done_keys):
+        unfinished.setdefault(r["run_id"], []).append(r)
     full = [r for r in finals if not r.get("smoke") and r["key"].get("limit") is None]
-    cells, duplicates = {}, 0  # key without the seed -> {seed: the latest record}
+    tables, duplicates = {}, 0  # table -> cell (the key but the seed) -> {seed: latest record}
+    per_variant = ("method", "eps", "clip", "lr", "hp", "privacy_unit", "seed")
     for r in full:
-        key = dict(r["key"])
-        seed = key.pop("seed")
-        group = cells.setdefault(json.dumps(key, sort_keys=True), {})
+        key, seed = r["key"], r["key"]["seed"]
+        table = json.dumps({k: v for k, v in key.items() if k not in per_variant}, sort_keys=True)
+        cell_key = json.dumps({k: v for k, v in key.items() if k != "seed"}, sort_keys=True)
+        group = tables.setdefault(table, {}).setdefault(cell_key, {})
         duplicates += seed in group
         group[seed] = r
-    tables = {}
-    per_variant = ("method", "eps", "clip", "lr", "hp", "privacy_unit")
-    for group in cells.values():
-        runs = list(group.values())
-        key = runs[0]["key"]
-        table_key = json.dumps({k: v for k, v in key.items() if k not in per_variant + ("seed",)},
-                               sort_keys=True)
-        base = runs[0]["method"].removeprefix("dp_")
-        tables.setdefault(table_key, []).append((base, variant_of(runs[0]), runs))
     what = "error %" if error else "top-1 %"
     order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in (20, 15, 10, 5, 1)]
-    for table_key, entries in tables.items():
-        k = json.loads(table_key)
+    for table, cells in tables.items():
+        k, entries = json.loads(table), []
+        for runs in (list(group.values()) for group in cells.values()):
+            entries.append((runs[0]["method"].removeprefix("dp_"), variant_of(runs[0]), runs))
         wild = "".join(f" | {name} {k[name]}" for name, plain in (
             ("order", "random"), ("repeat", 1), ("accumulate", 1)) if k.get(name, plain) != plain)
         print(f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | "
@@ -1733,9 +1476,8 @@ def summarize(path, per_corruption=False, error=False):
         columns = [c for c in order if c in present] + sorted(present - set(order))
         rows = {}
         for base, variant, runs in entries:
-            label = base
-            clash = [e for e in entries if e[0] == base and e[1] == variant]
-            if len(clash) > 1:  # two settings of one cell (e.g. tuning): tell them apart
+            label = base  # two settings of one cell (e.g. tuning): told apart
+            if sum(e[:2] == (base, variant) for e in entries) > 1:
                 label += f" C={runs[0]['clip']} lr={runs[0]['lr']:g} {runs[0].get('hp') or ''}"
             rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
         width = max(22, *(len(v) + 2 for row in rows.values() for v in row.values()))
@@ -1768,9 +1510,7 @@ def summarize(path, per_corruption=False, error=False):
         print(f"no adaptation runs in {path}")
     return 0
 
-
 # -- --benchmark: the cost of privacy, measured side by side -----------------
-
 # Every filter open, every sample kept: H <= ln K always, so margins of 1.01·ln K keep all;
 # PLPD >= −1; SAR never resets. For random weights (benchmark) and the audit's canaries.
 WIDE_OPEN = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
@@ -1781,59 +1521,53 @@ def benchmark(args):
     check_common(args, "benchmark")
     check_out(args, "results-benchmark.jsonl")
     device = torch.device(args.device)
-    amp = args.amp == "bf16" and device.type == "cuda"
     cuda = device.type == "cuda"
+    amp = args.amp == "bf16" and cuda
     name = args.model or ("vit_base_patch16_224" if cuda else "vit_small_patch16_224")
-    B = args.batch_size or (64 if cuda else 32)
-    acc = args.accumulate  # > 1: rows of batch B stepping once per acc batches, beside batch B·acc
+    # acc > 1: rows of batch B that step once per acc batches, beside batch B·acc
+    B, acc = args.batch_size or (64 if cuda else 32), args.accumulate
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(device)
     data_config = timm.data.resolve_data_config({}, model=model)
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(B * acc, *data_config["input_size"], generator=gen).to(device)
-    wide_open = dict(WIDE_OPEN, bn=args.bn or "train")  # random weights: a full step each
-    variants = {"source": DPTTA(model, "source")}
+    wide_open = dict(WIDE_OPEN, lr=1e-5, bn=args.bn or "train")  # random weights: full steps
+    dp = dict(clip=1.0, eps=5.0)
+    specs = {"source": ("source", {})}  # row -> (method, its arguments)
+    for b in BASES:
+        specs.update({b: (b, {}), f"{b} clip": (b, {"clip": 1.0}), f"dp_{b}": (f"dp_{b}", dp)})
+        if acc > 1:
+            specs[f"dp_{b} {B}x{acc}"] = (f"dp_{b}", dict(dp, accumulate=acc))
+    if any(isinstance(m, BATCH_NORM) for m in model.modules()):  # statistics, no step
+        specs.update(norm=("norm", {"bn": "train"}), dp_norm=("dp_norm", {"eps": 5, "bn": "train"}))
     try:  # each its own copy of the model: adapters never share θ
-        for b in BASES:
-            variants[b] = DPTTA(copy.deepcopy(model), b, lr=1e-5, **wide_open)
-            variants[b + " clip"] = DPTTA(copy.deepcopy(model), b, lr=1e-5, clip=1.0, **wide_open)
-            variants["dp_" + b] = DPTTA(copy.deepcopy(model), "dp_" + b, lr=1e-5, clip=1.0,
-                                        eps=5.0, **wide_open)
-            if acc > 1:
-                variants[f"dp_{b} {B}x{acc}"] = DPTTA(copy.deepcopy(model), "dp_" + b, lr=1e-5,
-                                                      clip=1.0, eps=5.0, accumulate=acc,
-                                                      **wide_open)
-        if any(isinstance(m, BATCH_NORM) for m in model.modules()):  # statistics, no step
-            variants["norm"] = DPTTA(copy.deepcopy(model), "norm")
-            variants["dp_norm"] = DPTTA(copy.deepcopy(model), "dp_norm", eps=5.0)
+        variants = {k: DPTTA(copy.deepcopy(model), method, **{**wide_open, **kwargs})
+                    for k, (method, kwargs) in specs.items()}
     except ValueError as e:  # BatchNorm: no per-sample gradients
         fail(f"--benchmark --model {name}: {e}")
     autocast = torch.autocast(device.type, torch.bfloat16, enabled=amp)
 
     def step(a):  # one window's images, as a batch or (accumulate) one batch of B at a time
-        return a(x) if a.accumulate == 1 else [a(xb) for xb in x.split(B)]
+        with autocast:
+            for xb in x.split(len(x) // a.accumulate):
+                a(xb)
+        if cuda:
+            torch.cuda.synchronize()
 
-    times, peak = {k: [] for k in variants}, {}
-    fallbacks_before = sum(VMAP_FALLBACKS.values())
+    times, peak, fallbacks = {k: [] for k in variants}, {}, sum(VMAP_FALLBACKS.values())
     for k, a in variants.items():  # warm-up, and on CUDA the step's peak memory
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        with autocast:
-            step(a)
-        if cuda:
-            torch.cuda.synchronize()
+        step(a)
         peak[k] = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else math.nan
     for _ in range(args.rounds):  # interleaved: drift of the machine hits every variant alike
         for k, a in variants.items():
             t = time.perf_counter()
-            with autocast:
-                step(a)
-            if cuda:
-                torch.cuda.synchronize()
+            step(a)
             times[k].append(time.perf_counter() - t)
-    fallbacks = sum(VMAP_FALLBACKS.values()) - fallbacks_before
-    for k, a in variants.items():  # the variants share the model: a NaN would time NaN steps
-        require(is_finite(a), f"--benchmark: θ is not finite after {k}")
+    fallbacks = sum(VMAP_FALLBACKS.values()) - fallbacks
+    for k, a in variants.items():  # a NaN would have timed NaN steps
+        stop_unless_finite(a, f"--benchmark's {k} steps")
     n = B * acc  # images per timed step (a whole window with accumulate)
     print(f"benchmark | {name} | batch {n}" + (f" (rows 'dp_<m> {B}x{acc}': batch {B}, a step "
           f"per {acc} batches)" if acc > 1 else "") + f" | {device.type} | "
@@ -1846,9 +1580,8 @@ def benchmark(args):
         ms = 1000 * float(np.median(times[k]))
         ref = k.split()[0] if a.accumulate > 1 else k.split()[0].removeprefix("dp_")
         plain = 1000 * float(np.median(times[ref]))
-        psg = 0.0  # the per-sample gradients themselves: B × adapted scalars, fp32
-        if a.base != "source" and a.clip is not None:
-            psg = n * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20
+        # the per-sample gradients themselves: B × adapted scalars, fp32
+        psg = n * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20 if a.clip else 0.0
         rows.append({"variant": k, "ms": ms, "images_per_s": 1000 * n / ms, "ratio": ms / plain,
                      "peak_mib": peak[k], "per_sample_grad_mib": psg})
         print(f"{k:<16}{ms:>10.1f}{1000 * n / ms:>9.1f}{ms / plain:>8.2f}"
@@ -1860,66 +1593,48 @@ def benchmark(args):
         ds = WnidFolder(os.path.join(tree, "gaussian_noise", "5"),
                         timm.data.create_transform(**data_config))
         loader = image_stream(ds, B, seed=args.seed, workers=args.workers, pin_memory=cuda)
-        t, n = time.perf_counter(), 0
-        for xb, _, _ in loader:
-            n += len(xb)
-        loader_rate = n / (time.perf_counter() - t)
+        t = time.perf_counter()
+        loader_rate = sum(len(xb) for xb, _, _ in loader) / (time.perf_counter() - t)
     print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG decode + timm transform, "
           f"{args.workers} workers); the slowest step above needs "
           f"{max(r['images_per_s'] for r in rows[1:]):.0f} img/s at most")
-    append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B,
-                            "device": device.type, "dtype": "bf16" if amp else "fp32",
-                            "rounds": args.rounds, "rows": rows, "vmap_fallbacks": fallbacks,
-                            "loader_images_per_s": loader_rate,
+    append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B, "device": device.type,
+                            "dtype": "bf16" if amp else "fp32", "rounds": args.rounds, "rows": rows,
+                            "vmap_fallbacks": fallbacks, "loader_images_per_s": loader_rate,
                             "versions": {"torch": torch.__version__}})
     print(f"appended to {args.out}")
     return 0
 
-
 # -- --audit: an empirical lower bound on ε from a distinguishing game -------
-
 def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
-    """ε_lb from test statistics of the two neighbouring worlds (large = "canary in").
-
-    A threshold chosen on the first half of the trials is applied to the
-    second half, and its false positive and false negative rates get
-    Clopper-Pearson upper bounds (each at (1 − confidence)/2).
-    gaussian=True (Nasr et al. 2023): the bounds give μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR),
-    a lower bound on μ if the trade-off curve is Gaussian, as it is for the
-    mechanism audited here; then ε_lb = ε of μ_lb-GDP at δ. Strong at any ε.
-    gaussian=False (Kairouz et al. 2015), distribution-free but weak:
-    ε_lb = log((1 − δ − FNR)/FPR), and likewise with the roles swapped.
-    """
+    """ε_lb from the two worlds' test statistics (large: "canary in"): a threshold chosen on half
+    the trials, its error rates on the other half bounded by Clopper-Pearson (each at (1 −
+    confidence)/2). gaussian (Nasr et al. 2023): μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR) bounds μ for a
+    Gaussian trade-off curve (as here), ε_lb = ε of μ_lb-GDP at δ. Else (Kairouz et al. 2015),
+    distribution-free, weak: ε_lb = log((1 − δ − FNR)/FPR), and with the roles swapped."""
     s_in, s_out = np.asarray(s_in, float), np.asarray(s_out, float)
     h, alpha = min(len(s_in), len(s_out)) // 2, (1 - confidence) / 2
 
     def upper(errors):  # Clopper-Pearson upper bound on an error rate
         return stats.beta.ppf(1 - alpha, errors + 1, h - errors) if errors < h else 1.0
 
-    def bound(fp, fn):
-        fpr, fnr = upper(fp), upper(fn)
+    def bound_at(t, part):  # the bound of the threshold t on half `part` of the trials
+        fpr, fnr = upper((s_out[part] > t).sum()), upper((s_in[part] <= t).sum())
         if gaussian:  # μ_lb of the Gaussian trade-off curve through (FPR, FNR)
             return stats.norm.ppf(1 - fpr) - stats.norm.ppf(fnr)
         with np.errstate(divide="ignore", invalid="ignore"):
             return max(0.0, np.log((1 - delta - fnr) / fpr), np.log((1 - delta - fpr) / fnr))
 
-    def bound_at(t, part):  # the bound of the threshold t on half `part` of the trials
-        return bound((s_out[part] > t).sum(), (s_in[part] <= t).sum())
-
     # thresholds at false positive rates from 1/2 down to ~10/h; the best *bounded* on half 1
     cuts = np.quantile(s_out[:h], 1 - np.geomspace(0.5, min(0.5, 10 / h), 80))
     best = max(cuts, key=lambda t: bound_at(t, slice(0, h)))
     lb = bound_at(best, slice(h, 2 * h))
-    if not gaussian:
-        return lb
-    if lb <= 0:
-        return 0.0
-    return gdp_epsilon(sigma=2 / lb, delta=delta)  # μ = 2/σ
-
+    if gaussian:  # ε of μ_lb-GDP, μ = 2/σ
+        return gdp_epsilon(sigma=2 / lb, delta=delta) if lb > 0 else 0.0
+    return lb
 
 def flat_sample_grads(adapter, x):
-    """What the adapter clips, one row per sample: its per-sample gradients at θ (the joint
-    clip's view), or for dp_norm the moments of its first private BatchNorm layer."""
+    """What the adapter clips, a row per sample: g_i at θ (dp_norm: its first layer's moments)."""
     if adapter.method == "dp_norm":
         name = next(iter(adapter.bn_src))
         bn, seen = adapter.model.get_submodule(name), []
@@ -1931,23 +1646,19 @@ def flat_sample_grads(adapter, x):
     g, _ = per_sample_grads(adapter.model, adapter.params, adapter.loss, x, adapter.context(x))
     return torch.cat([t.flatten(1).float() for t in g.values()], 1)
 
-
 def clip_of(adapter, width):
     """The clip norm of what the adapter clips (dp_norm: scale·√(2C) for 2C moments; none: inf)."""
     if adapter.method == "dp_norm":
         return adapter.hp["bn_scale"] * math.sqrt(width)
     return adapter.clip or math.inf
 
-
 def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
-    """Two images whose per-sample gradients at θ point as far apart as they can: Adam on both
-    images' pixels (kept in [−box, box]) minimizing cos(g1, g2) − 0.01·(log‖g1‖ + log‖g2‖),
-    the second term keeping both norms up so that C can sit below them. ∇_x of g(x) is a
-    double backward (create_graph) through the per-sample gradient."""
+    """Two images whose per-sample gradients at θ point as far apart as they can: Adam on the
+    pixels (in [−box, box]) minimizing cos(g1, g2) − 0.01·(log‖g1‖ + log‖g2‖), the norms kept
+    up so that C can sit below them; ∇_x g(x) is a double backward (create_graph)."""
     a, gen = adapter, torch.Generator().manual_seed(seed)
-    device = next(a.model.parameters()).device
-    imgs = torch.randn(2, *shape, generator=gen).to(device).requires_grad_()
-    opt = torch.optim.Adam([imgs], lr=0.05)
+    imgs = torch.randn(2, *shape, generator=gen).to(next(a.model.parameters()).device)
+    opt = torch.optim.Adam([imgs.requires_grad_()], lr=0.05)
     theta = {n: p.detach().requires_grad_() for n, p in a.params.items()}
     with sdpa_kernel(SDPBackend.MATH):  # twice differentiable
         for _ in range(steps):
@@ -1957,59 +1668,43 @@ def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
                 loss = a.loss(z, None if ctx is None else ctx[i:i + 1]).sum()
                 grads = torch.autograd.grad(loss, list(theta.values()), create_graph=True)
                 g.append(torch.cat([t.flatten() for t in grads]))
-            norms = (g[0].norm() * g[1].norm()).log()
-            objective = F.cosine_similarity(g[0], g[1], 0) - 0.01 * norms
+            log_norms = (g[0].norm() * g[1].norm()).log()
             opt.zero_grad()
-            objective.backward()
+            (F.cosine_similarity(g[0], g[1], 0) - 0.01 * log_norms).backward()
             opt.step()
             with torch.no_grad():
                 imgs.clamp_(-box, box)
     return imgs.detach()
 
-
 @contextlib.contextmanager
 def replayed_per_sample_pass(adapter):
-    """The end-to-end game's trials all step from θ0 on the same two batches: each batch's
-    per-sample pass (and DeYO's shuffled forward) runs once and is replayed; clip, noise and
-    the step run for real in every trial. DeYO's patch shuffle is drawn once per world."""
+    """The end-to-end trials all step from θ0 on the same two batches: each batch's per-sample
+    pass (and DeYO's shuffled view) runs once, replayed; clip, noise and step run every trial."""
     memo, real, context = {}, per_sample_grads, adapter.context
 
-    def replay_pass(model, params, loss_fn, x, ctx=None, **kwargs):
-        key = ("pass", x.data_ptr(), tuple(x.shape))
+    def once(fn, x, *args, **kwargs):  # fn(*args, **kwargs) on the batch x: computed once
+        key = (fn, x.data_ptr(), tuple(x.shape))
         if key not in memo:
-            memo[key] = real(model, params, loss_fn, x, ctx, **kwargs)
+            memo[key] = fn(*args, **kwargs)
         return memo[key]
 
-    def replay_context(x):
-        key = ("context", x.data_ptr(), tuple(x.shape))
-        if key not in memo:
-            memo[key] = context(x)
-        return memo[key]
-
-    globals()["per_sample_grads"] = replay_pass
-    adapter.context = replay_context
+    globals()["per_sample_grads"] = lambda model, params, loss_fn, x, *args, **kwargs: once(
+        real, x, model, params, loss_fn, x, *args, **kwargs)
+    adapter.context = lambda x: once(context, x, x)
     try:
         yield
     finally:
         globals()["per_sample_grads"] = real
         del adapter.context
 
-
 def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0,
           gaussian=True):
-    """Play the change-one game against an adapter; return ε_lb at `confidence`.
-
-    The worlds differ in one sample of the batch x. The attacker knows all but
-    the noise and tests the release along d = clip(g_in) − clip(g_out), the
-    optimal direction for the Gaussian mechanism.
-    White-box (no images given): the release is clip_and_noise itself, on the
-    method's per-sample gradients of x (flattened into one tensor: the same
-    joint clip; dp_norm: its first layer's moments) plus a canary *gradient* of
-    norm 10·C, or its negative: the two clipped gradients are 2C apart, the worst
-    case the analysis covers. Without a clip (a non-private original): C = 1, unclipped.
-    End-to-end (canary and replacement images): a real DPTTA step from θ0 on
-    x + image, and the attacker sees only the adapted parameters.
-    """
+    """The change-one game against an adapter: ε_lb at `confidence`. The worlds differ in one
+    sample; the attacker knows all but the noise and tests the release along d = clip(g_in) −
+    clip(g_out), optimal for the Gaussian mechanism. White-box (no images): the release is
+    clip_and_noise on the method's flattened g_i of x (dp_norm: moments) plus a canary
+    *gradient* of norm 10·C or its negative, 2C apart once clipped, the worst case (no clip:
+    C = 1, unclipped). End-to-end: a real DPTTA step from θ0 on x + an image; only θ seen."""
     a = adapter
     if canary is None:
         flat = flat_sample_grads(a, x)
@@ -2017,33 +1712,29 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
         size = 1.0 if math.isinf(clip) else clip
         u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed))
         u = 10 * size * u.to(flat.device) / u.norm()
-        worlds = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)]
-        d = 2 * u / u.norm()
+        worlds, d = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)], 2 * u / u.norm()
+
+        def release(world):
+            return clip_and_noise(world, clip, a.sigma, a.noise_gen)["θ"]
     else:
         worlds = [torch.cat([x, img[None]]) for img in (canary, replacement)]
         clipped = [clip_and_noise({"θ": flat_sample_grads(a, img[None])}, clip_of(a, 1), 0.0,
                                   None)["θ"] for img in (canary, replacement)]
         d = clipped[0] - clipped[1]
-    scores = [[], []]
+
+        def release(world):  # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
+            a.reset()
+            a(world)
+            return torch.cat([((a.theta0[n] - p.detach()) / a.lr).flatten()
+                              for n, p in a.params.items()])
     with replayed_per_sample_pass(a) if canary is not None else contextlib.nullcontext():
-        for _ in range(trials):
-            for i, w in enumerate(worlds):
-                if canary is None:
-                    release = clip_and_noise(w, clip, a.sigma, a.noise_gen)["θ"]
-                else:
-                    a.reset()
-                    a(w)  # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
-                    release = torch.cat([((a.theta0[n] - p.detach()) / a.lr).flatten()
-                                         for n, p in a.params.items()])
-                scores[i].append(release)
+        scores = [[release(w) for w in worlds] for _ in range(trials)]  # [trial][world]
     a.reset()
-    s_in, s_out = ((torch.stack(s).double() @ d.double()).cpu().numpy() for s in scores)
+    s_in, s_out = ((torch.stack(s).double() @ d.double()).cpu().numpy() for s in zip(*scores))
     return epsilon_lower_bound(s_in, s_out, a.delta or 1e-6, confidence, gaussian)
 
-
 def audit_cli(args):
-    """--audit: white-box and end-to-end ε lower bounds for --method (any: the originals are
-    shown to leak) at --eps, on a small random ViT (norm methods: a small BN CNN)."""
+    """White-box and end-to-end ε_lb of --method at --eps on a small ViT (norm: a BN CNN)."""
     check_common(args, "audit")
     require(args.model is None, "--audit plays on its own small model; --model does not apply")
     check_out(args, "results-audit.jsonl")
@@ -2054,35 +1745,28 @@ def audit_cli(args):
     claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
     args.delta = args.delta or 1e-6
     torch.manual_seed(args.seed)
+    kwargs = dict(eps=eps, delta=args.delta) if private else {}
     if norm:
         model = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(),
                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
-        kwargs = {}
     else:
         model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
-                                  patch_size=8, depth=2, embed_dim=32, num_heads=2,
-                                  num_classes=10)
-        # the originals' filters opened (every sample kept), or the canary might not count
-        kwargs = dict(lr=args.lr or 0.1, clip=args.clip or (1.0 if private else None),
-                      **({} if private else WIDE_OPEN))
-    try:
-        a = DPTTA(model.eval(), args.method, seed=args.seed, **kwargs,
-                  **(dict(eps=eps, delta=args.delta) if private else {}))
-    except ValueError as e:
-        fail(str(e))
+                                  patch_size=8, depth=2, embed_dim=32, num_heads=2, num_classes=10)
+        kwargs.update(lr=args.lr or 0.1, clip=args.clip or (1.0 if private else None))
+        if not private:  # the originals' filters opened (every sample kept): the canary counts
+            kwargs.update(WIDE_OPEN)
+    a = or_fail(DPTTA, model.eval(), args.method, seed=args.seed, **kwargs)
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(args.seed))
     t0 = time.time()
     games = [("white-box ", audit(a, x, trials=args.trials, seed=args.seed), args.trials,
               time.time() - t0, "")]
     if not norm:  # end to end: a crafted image pair, C below both gradients (both clipped)
-        t0 = time.time()
-        pair = craft_canaries(a, (3, 32, 32), seed=args.seed)
+        t0, pair = time.time(), craft_canaries(a, (3, 32, 32), seed=args.seed)
         if a.clip is not None and args.clip is None:  # well below both, whatever DeYO's
             # shuffle: the game is the same at any C below, and a skipped clip then shows
             a.clip = 0.25 * torch.cat([flat_sample_grads(a, pair) for _ in range(8)]).norm(
                 dim=1).min().item()
-        g = flat_sample_grads(a, pair)
-        note = "; no clip"
+        g, note = flat_sample_grads(a, pair), "; no clip"
         if a.clip:  # g_i·min(1, C/‖g_i‖): how far apart the two worlds' clipped gradients are
             g = g * (a.clip / g.norm(dim=1, keepdim=True)).clamp(max=1)
             note = f"; the crafted pair is {(g[0] - g[1]).norm() / (2 * a.clip):.2f}·2C apart"
@@ -2102,13 +1786,11 @@ def audit_cli(args):
     print("ε_lb via μ-GDP (Nasr et al. 2023): assumes a Gaussian trade-off curve. A lower "
           "bound: exceeding the claim shows a bug; staying below it proves nothing")
     held = not claim or all(lb <= eps for _, lb, *_ in games)
-    append_jsonl(args.out, {"mode": "audit", "method": args.method, "eps": eps,
-                            "delta": args.delta, "sigma": a.sigma, "private": claim,
-                            "clip": a.clip, "claim_held": held,
+    append_jsonl(args.out, {"mode": "audit", "method": args.method, "eps": eps, "delta": args.delta,
+                            "sigma": a.sigma, "private": claim, "clip": a.clip, "claim_held": held,
                             "games": {name.strip(): {"eps_lb": lb, "trials": n, "seconds": s}
                                       for name, lb, n, s, _ in games}})
     return 0 if held else 1
-
 
 if __name__ == "__main__":
     try:

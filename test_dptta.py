@@ -490,6 +490,18 @@ def test_cuda_fused_attention_runs_batched_forward_and_backward(kernel):
             torch.func.vmap(torch.func.grad(partial(one_loss, m)), in_dims=(None, 0))(frozen, x)
 
 
+def test_a_torch_without_the_fallback_switch_runs_exact_and_says_so(monkeypatch):
+    """The switch is private torch API (torch._C._functorch): without it the pass still runs,
+    exact, and warns that it cannot certify the absence of a per-sample loop."""
+    monkeypatch.delattr(torch._C._functorch, "_set_vmap_fallback_enabled")
+    m, x = tiny_vit(torch.float64, depth=1), images(3, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="cannot switch vmap's fallback off"):
+        g, _ = dptta.per_sample_grads(m, dptta.adaptable_params(m), entropy_loss, x)
+    want = loop_grads(m, list(g), entropy_loss, x)
+    for n in want:
+        torch.testing.assert_close(g[n], want[n], rtol=1e-8, atol=1e-12)
+
+
 def test_a_fallback_in_a_users_model_warns_once_naming_the_op(monkeypatch):
     monkeypatch.setattr(dptta, "VMAP_FALLBACKS", {})
 
@@ -931,15 +943,22 @@ print(f"{d.calibrate_sigma(eps=5, delta=1e-6):.4f} {d.gdp_epsilon(sigma=1.9601, 
 """
 
 
+def test_the_file_keeps_its_budget():
+    """dptta.py: at most 1,800 lines (this round's budget), none over 100 characters."""
+    with open(os.path.join(HERE, "dptta.py")) as f:
+        lines = f.read().splitlines()
+    assert len(lines) <= 1800 and max(map(len, lines)) <= 100
+
+
 def test_part_one_copied_as_a_block_is_a_library_on_its_own(tmp_path):
-    """Lines 1 to the Part II banner: at most 705 lines (this round's budget is 600: issue 21
-    still has to find them) of at most 100 characters, and a working library with only torch,
-    numpy and scipy (the later parts' imports are blocked)."""
+    """Lines 1 to the Part II banner: at most 635 lines (this round's budget is 600, not met
+    yet) of at most 100 characters, and a working library with only torch, numpy and scipy
+    (the later parts' imports are blocked)."""
     with open(os.path.join(HERE, "dptta.py")) as f:
         source = f.read()
     block = source[:source.index("# Part II")].rsplit("# ====", 1)[0].rstrip() + "\n"
     lines = block.splitlines()
-    assert len(lines) <= 705 and max(map(len, lines)) <= 100
+    assert len(lines) <= 635 and max(map(len, lines)) <= 100
     assert lines[-1].strip() == "self._set_theta(self.params)"  # it ends with the adapter
     (tmp_path / "part_one.py").write_text(block)
     r = subprocess.run([sys.executable, "-c", PART_ONE_ALONE], cwd=tmp_path, capture_output=True,
