@@ -320,7 +320,7 @@ class DPTTA(nn.Module):
     statistics ("train", Tent; no per-sample variant) or frozen at the source's ("source").
     The noise is a seeded stream that never repeats: reset() does not rewind it, a copy draws
     fresh OS entropy, and state_dict() carries its position to resume a run (load it once)."""
-    STATE = ("ema", "m", "g_prev", "bn_ema")  # besides θ: SAR's EMA, EATA's m, DP-SAR's Δ, BN's
+    STATE = ("ema", "m", "g_prev", "bn_ema")  # SAR's EMA, EATA's m, DP-SAR's Δ, dp_norm's EMAs
 
     def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
                  clip=None, lr=None, seed=0, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
@@ -710,8 +710,7 @@ def collate_skipping(batch):
     if not good:
         return None, None, bad
     blank = (torch.zeros_like(good[0][0]), -1)
-    x, y = default_collate([blank if b[0] is None else b for b in batch])
-    return x, y, bad
+    return (*default_collate([blank if b[0] is None else b for b in batch]), bad)
 
 def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=False,
                  order="random"):
@@ -764,8 +763,9 @@ def fisher_information(model, params, images, n=2000):
     """EATA's F: mean over batches of (∇θ CE(f(x), argmax f(x)))², on n clean source images."""
     p = {k: t.detach().requires_grad_() for k, t in params.items()}
     fisher, batches, seen = {k: torch.zeros_like(t) for k, t in p.items()}, 0, 0
+    device = next(iter(p.values())).device
     for x in images:
-        x = x[:n - seen].to(next(iter(p.values())).device)
+        x = x[:n - seen].to(device)
         logits = functional_call(model, p, (x,))
         g = torch.autograd.grad(F.cross_entropy(logits, logits.argmax(1)), list(p.values()))
         for k, t in zip(p, g):
@@ -1304,8 +1304,9 @@ def adapt_and_record(args, key, device, amp, hp_note, state, resume=None):
     fisher_set = args.fisher_data and open_folder(args.fisher_data)  # None: no Fisher
     model = build_model(args.model, args.checkpoint, random_weights=bool(args.synthetic))
     data_config = timm.data.resolve_data_config({}, model=model)
+    transform = timm.data.create_transform(**data_config)
     for ds in filter(None, [*streams.values(), fisher_set]):
-        ds.transform = timm.data.create_transform(**data_config)
+        ds.transform = transform
     hp, side = dict(args.hp), min(data_config["input_size"][1:])
     require(hp.get("patch_grid", 1) <= side,
             f"--hp patch_grid={hp.get('patch_grid')} is more patches than the {side}-pixel image")
