@@ -490,7 +490,7 @@ class DPTTA(nn.Module):
     # -- the gradient: private (per sample, clipped, noised) or plain ----------
     def _grad(self, x, ctx, shift=None, keep=None, clip=True):
         """(logits, Δ, kept) at θ + shift; Δ is None when the filters keep no sample."""
-        theta = {n: (t + (shift or {}).get(n, 0)).detach().to(self.model_params[n].dtype)
+        theta = {n: (t if shift is None else t + shift[n]).detach().to(self.model_params[n].dtype)
                  for n, t in self.params.items()}
         if self.clip is not None and clip:
             return self._private_grad(theta, x, ctx, keep)
@@ -594,9 +594,9 @@ class DPTTA(nn.Module):
         return logits
 
     def _dp_sat_step(self, x, ctx):  # DP-SAR (DP-SAT): ascend along the last *private* Δ
-        shift = self.g_prev and self._ascent(self.g_prev)
+        shift = None if self.g_prev is None else self._ascent(self.g_prev)
         logits, self.g_prev, _ = self._grad(x, ctx, shift)
-        if shift:
+        if shift is not None:
             with torch.no_grad():
                 logits = logits_of(self.model(x))
         self._step(self.g_prev)
@@ -997,8 +997,8 @@ def check_args(args):
     args.hp = parse_hp(args.hp)
     for name in sorted(set(args.hp) - constants_used(args.method, bool(args.fisher_data))):
         fail(f"--hp {name} does not change a {args.method} run (see constants_used)")
+    # a given --model was checked above; the default is a known name and tag
     args.batch_size, args.model = args.batch_size or 64, args.model or DEFAULT_MODEL
-    check_model(args.model)
     args.corruptions = [c for c in args.corruptions.split(",") if c]
     require(args.corruptions, "--corruptions is empty")
     for c in args.corruptions:
