@@ -623,10 +623,13 @@ HELD_OUT = ("speckle_noise", "gaussian_blur", "spatter", "saturate")  # for choo
 LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT/<wnid>/*.jpg); "
           "ImageNet-C is at https://zenodo.org/record/2235448")
 
-def reached_once(seen, path):
-    """Refuses a file or folder that `seen` {(device, inode): path} holds under another path."""
-    st = os.stat(path)
-    first = seen.setdefault((st.st_dev, st.st_ino), path)
+def reached_once(seen, path, node=None):
+    """Refuses a file or folder whose node (device, inode), stat'ed unless given, `seen`
+    {node: path} holds under another path."""
+    if node is None:
+        st = os.stat(path)
+        node = st.st_dev, st.st_ino
+    first = seen.setdefault(node, path)
     need(first == path, f"{path} is {first} again (a link?): each image must be reachable once "
          "in a stream; remove the link or copy the file")
 
@@ -642,11 +645,12 @@ class WnidFolder(ImageFolder):
             raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; {LAYOUT}")
         self.imagenet_index = [index[c] for c in self.classes]
 
-    @staticmethod
-    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None,
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None,
                      allow_empty=False):
-        """ImageFolder's listing; a file or folder reached twice (a link, a loop) is refused."""
-        once = partial(reached_once, {})  # (device, inode) -> the first path that reached it
+        """ImageFolder's listing; a file or folder reached twice (a link, a loop) is refused.
+        self.nodes: {(device, inode): path} of every one, which Mixed merges without a stat."""
+        self.nodes = {}
+        once = partial(reached_once, self.nodes)
         once(directory)
         valid = is_valid_file or partial(has_file_allowed_extension, extensions=extensions)
         samples = []
@@ -707,8 +711,8 @@ class Mixed(torch.utils.data.ConcatDataset):
     def __init__(self, streams):
         super().__init__(list(streams.values()))
         once = partial(reached_once, {})  # one stream now: a file in two corruptions' folders
-        for path, _ in (s for part in self.datasets for s in part.samples):
-            once(path)
+        for node, path in (n for part in self.datasets for n in part.nodes.items()):
+            once(path, node)
         self.targets = [p.imagenet_index[t] for p in self.datasets for t in p.targets]
 
     def __getitem__(self, i):
