@@ -385,7 +385,7 @@ class DPTTA(nn.Module):
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __setstate__(self, state):
-        """copy.copy, copy.deepcopy, pickle: the copy's noise is reseeded from OS entropy."""
+        """copy.copy, copy.deepcopy, pickle: the copy reseeds from OS entropy (no shared noise)."""
         super().__setstate__(state)
         if self.base != "source":
             self._claim()
@@ -1234,7 +1234,7 @@ def main(argv=None):
         return audit_cli(args)
     check_args(args)
     device = torch.device(args.device)
-    dtype = "bf16" if args.amp == "bf16" and device.type == "cuda" else "fp32"  # CPU: no bf16
+    dtype = "bf16" if args.amp == "bf16" and device.type == "cuda" else "fp32"  # CPU: bf16 is slow
     tuned_on = {"mixed": "continual"}.get(args.setting, args.setting)  # mixed: one stream
     C, lr, source = paper_hparams(args.method, args.eps, tuned_on, args.clip)
     hp_note = {"clip": "given", "lr": "given"}
