@@ -1099,7 +1099,8 @@ def read_jsonl(path, flag):
 def append_jsonl(path, record):
     """Appends one whole JSON line (the first creates the file), on a new line after one left
     unended (a crash, a full disk); a failed write prints the record (not lost) and exits 4."""
-    line = (json.dumps(jsonable(record), allow_nan=False) + "\n").encode()
+    text = json.dumps(jsonable(record), allow_nan=False)
+    line = (text + "\n").encode()
     try:
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -1111,7 +1112,7 @@ def append_jsonl(path, record):
         finally:
             os.close(fd)
     except OSError as e:
-        print(json.dumps(jsonable(record)), flush=True)
+        print(text, flush=True)
         print(f"dptta: error: cannot write {path} ({e.strerror}); its record is the line above",
               file=sys.stderr)
         sys.exit(4)
