@@ -934,6 +934,7 @@ def check_common(args, mode=None):
             "--device cuda, but no CUDA device is visible")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.dtype = "bf16" if args.amp == "bf16" and args.device == "cuda" else "fp32"  # CPU: slow
 
 def check_args(args):
     """Every flag checked, defaults filled in; one line and exit 2 for anything wrong. Folders
@@ -1047,7 +1048,7 @@ def build_model(name, checkpoint=None, random_weights=False):
             fail(f"--checkpoint {checkpoint} does not fit {name}: {one_line(e)}")
     return model
 
-def run_key(args, dtype):
+def run_key(args):
     """Everything that changes a result (the seed included; --summarize drops it)."""
     key = {k: getattr(args, k) for k in ("method", "eps", "delta", "privacy_unit", "clip", "lr",
            "hp", "batch_size", "setting", "order", "repeat", "accumulate", "dataset", "severity",
@@ -1060,7 +1061,8 @@ def run_key(args, dtype):
         st = os.stat(args.checkpoint)
         key["weights"] = {"checkpoint": os.path.abspath(args.checkpoint), "bytes": st.st_size,
                           "mtime": int(st.st_mtime)}
-    key.update(fisher_data=args.fisher_data and os.path.abspath(args.fisher_data), dtype=dtype)
+    key.update(fisher_data=args.fisher_data and os.path.abspath(args.fisher_data),
+               dtype=args.dtype)
     return json.loads(json.dumps(jsonable(key)))  # as it reads back (lists, not tuples)
 
 def jsonable(x):
@@ -1138,11 +1140,11 @@ def privacy_ledger(adapter, streams, rounds=1):
             "eps_per_underlying_image": gdp_epsilon(sigma=s / math.sqrt(streams * rounds),
                                                     delta=d)}
 
-def print_header(args, adapter, ledger, device, dtype, hp_note):
+def print_header(args, adapter, ledger, device, hp_note):
     where = device.type
     if device.type == "cuda":
         where += f" ({torch.cuda.get_device_name(device)})"
-    print(f"dptta | {args.method} | {args.model} | {where} | {dtype}")
+    print(f"dptta | {args.method} | {args.model} | {where} | {args.dtype}")
     if args.synthetic:
         print(f"SMOKE RUN: {args.synthetic} random images per corruption, "
               f"{'checkpoint' if args.checkpoint else 'random'} weights: accuracy is chance")
@@ -1235,7 +1237,6 @@ def main(argv=None):
         return audit_cli(args)
     check_args(args)
     device = torch.device(args.device)
-    dtype = "bf16" if args.amp == "bf16" and device.type == "cuda" else "fp32"  # CPU: bf16 is slow
     tuned_on = {"mixed": "continual"}.get(args.setting, args.setting)  # mixed: one stream
     C, lr, source = paper_hparams(args.method, args.eps, tuned_on, args.clip)
     hp_note = {"clip": "given", "lr": "given"}
@@ -1243,7 +1244,7 @@ def main(argv=None):
         if getattr(args, flag) is None:
             setattr(args, flag, paper)
             hp_note[flag] = source
-    key = run_key(args, dtype)
+    key = run_key(args)
     state = f"{args.out}.{uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))}.pt"
     done = args.resume and os.path.exists(args.out) and any(
         r.get("key") == key and r.get("mode") == "adapt" for r in read_jsonl(args.out, "--out"))
@@ -1309,7 +1310,7 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
                       lr=args.lr, seed=args.seed, bn=args.bn or "train",
                       accumulate=args.accumulate, **hp)
     # bf16 autocast for forward and backward on CUDA (slow on CPU); clip, noise, step in fp32
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=key["dtype"] == "bf16")
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.dtype == "bf16")
     if args.fisher_data:
         loader = image_stream(fisher_set, args.batch_size, seed=args.seed, workers=args.workers)
         clean = (x.to(device) for x, _, _ in loader if x is not None)
@@ -1321,7 +1322,7 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
     ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat)
     if has_bn:
         ledger["bn"] = adapter.bn  # which BatchNorm mode ran
-    print_header(args, adapter, ledger, device, key["dtype"], hp_note)
+    print_header(args, adapter, ledger, device, hp_note)
     n = min(min(len(ds) for ds in streams.values()), args.limit or math.inf)
     if ledger["private"] and args.delta >= 1 / n:  # δ is a chance of releasing an image outright
         print(f"dptta: warning: δ = {args.delta:g} is not below 1/n = 1/{n} for a stream of {n} "
@@ -1502,7 +1503,6 @@ def benchmark(args):
     check_out(args, "results-benchmark.jsonl")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    dtype = "bf16" if args.amp == "bf16" and cuda else "fp32"  # bf16 autocast on CUDA only
     name = args.model or ("vit_base_patch16_224" if cuda else "vit_small_patch16_224")
     # acc > 1: rows of batch B that step once per acc batches, beside batch B·acc
     B, acc = args.batch_size or (64 if cuda else 32), args.accumulate
@@ -1525,7 +1525,7 @@ def benchmark(args):
                     for k, (method, kwargs) in specs.items()}
     except ValueError as e:  # BatchNorm: no per-sample gradients
         fail(f"--benchmark --model {name}: {e}")
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bf16")
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.dtype == "bf16")
 
     def step(a):  # one window's images, as a batch or (accumulate) one batch of B at a time
         with autocast:
@@ -1551,7 +1551,7 @@ def benchmark(args):
     n = B * acc  # images per timed step (a whole window with accumulate)
     print(f"benchmark | {name} | batch {n}" + (f" (rows 'dp_<m> {B}x{acc}': batch {B}, a step "
           f"per {acc} batches)" if acc > 1 else "") + f" | {device.type} | "
-          f"{dtype} | median of {args.rounds} interleaved rounds")
+          f"{args.dtype} | median of {args.rounds} interleaved rounds")
     print(f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}"
           f"{'per-sample g MiB':>18}   (peak: CUDA max allocated; ratio: / the plain method, "
           f"{B}x{acc}: / batch {n})")
@@ -1579,7 +1579,7 @@ def benchmark(args):
           f"{args.workers} workers); the slowest step above needs "
           f"{max(r['images_per_s'] for r in rows[1:]):.0f} img/s at most")
     append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B, "device": device.type,
-                            "dtype": dtype, "rounds": args.rounds, "rows": rows,
+                            "dtype": args.dtype, "rounds": args.rounds, "rows": rows,
                             "vmap_fallbacks": fallbacks, "loader_images_per_s": loader_rate,
                             "versions": {"torch": torch.__version__}})
     print(f"appended to {args.out}")
@@ -1618,10 +1618,8 @@ def flat_sample_grads(adapter, x):
     if adapter.method == "dp_norm":
         name = next(iter(adapter.bn_src))
         bn, seen = adapter.model.get_submodule(name), []
-        hook = bn.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
-        with torch.no_grad():
+        with torch.no_grad(), bn.register_forward_pre_hook(lambda m, a: seen.append(a[0])):
             adapter.model(x)
-        hook.remove()
         return bn_moments(seen[0], *adapter.bn_src[name], bn.eps)
     g, _ = per_sample_grads(adapter.model, adapter.params, adapter.loss, x, adapter.context(x))
     return torch.cat([t.flatten(1).float() for t in g.values()], 1)
