@@ -33,7 +33,7 @@ def need(ok, problem):  # an argument check: the first that fails raises, in one
 
 # -- Privacy accounting: one pass, μ-GDP with μ = 2/σ ------------------------
 def _check_privacy(eps=None, delta=None, sigma=None):  # NaN fails every comparison: refused
-    need(eps is None or eps > 0, f"eps must be > 0 (use inf for clip only, no noise), got {eps}")
+    need(eps is None or eps > 0, f"eps must be > 0 (inf: clip only, no noise), got {eps}")
     need(delta is None or 0 < delta < 1, f"delta must be in (0, 1), got {delta}")
     need(sigma is None or sigma >= 0, f"sigma must be >= 0, got {sigma}")
 
@@ -45,7 +45,7 @@ def _log_gdp_delta(eps, sigma):
     log_phi = special.log_ndtr(x)
     D = log_phi - eps - special.log_ndtr(x - mu)
     if D < 0.1:  # the two terms nearly cancel (large σ, small ε): D = ∫_{x−μ}^{x} (φ/Φ(u) + u) du
-        nodes, weights = np.polynomial.legendre.leggauss(16)  # Gauss-Legendre: exact to rounding
+        nodes, weights = np.polynomial.legendre.leggauss(16)  # exact to rounding
         u = x - mu / 2 + nodes * mu / 2
         hazard = np.exp(-u ** 2 / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))
         D = mu / 2 * np.sum(weights * (hazard + u))
@@ -54,9 +54,8 @@ def _log_gdp_delta(eps, sigma):
     return log_phi + np.log(-np.expm1(-D))
 
 def gdp_delta(*, eps, sigma):
-    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ), noise σ·C on a sum of sensitivity 2C (one
-    image replaced moves its clipped gradient <= 2C): a step is μ-GDP, μ = 2/σ (Dong, Roth & Su
-    2022, Cor. 2.13), and so is the stream, which shows each image in one step only."""
+    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ): noise σC on a sum of sensitivity 2C is μ-GDP,
+    μ = 2/σ (Dong, Roth & Su 2022, Cor. 2.13); a stream shows each image in one step."""
     _check_privacy(eps=eps, sigma=sigma)
     if sigma == 0:
         return 1.0
@@ -76,12 +75,12 @@ def _root(f, lo, hi):
     return float(x)
 
 def calibrate_sigma(*, eps, delta, repeats=1):
-    """The smallest σ with gdp_delta(eps, σ/√repeats) <= delta; 0.0 for eps = inf.
-    repeats = k releases of (2/σ)-GDP compose to (2√k/σ)-GDP (Dong, Roth & Su, Cor. 3.3)."""
+    """The smallest σ with gdp_delta(eps, σ/√repeats) <= delta (k = repeats releases of
+    (2/σ)-GDP are (2√k/σ)-GDP, Dong, Roth & Su, Cor. 3.3); 0.0 for eps = inf."""
     _check_privacy(eps=eps, delta=delta)
     if math.isinf(eps):
         return 0.0
-    # f = δ(σ)/δ − 1, exp'd as in gdp_delta, so that gdp_delta(eps, σ) <= delta holds exactly
+    # f = δ(σ)/δ − 1, exp'd as in gdp_delta: gdp_delta(eps, σ) <= delta exactly
     sigma = _root(lambda s: np.exp(_log_gdp_delta(eps, s)) / delta - 1, 0.1, 1.0)
     return sigma * math.sqrt(repeats)
 
@@ -96,13 +95,13 @@ def gdp_epsilon(*, sigma, delta):
 
 # -- Per-sample gradients, clipping and noise --------------------------------
 BATCH_NORM = nn.modules.batchnorm._BatchNorm  # timm's BatchNormAct2d too
-NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM)  # LayerNorm: timm's LayerNorm2d too (ConvNeXt)
+NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM)  # timm's LayerNorm2d too (ConvNeXt)
 VMAP_FALLBACKS = {}  # op -> passes in which vmap ran it once per sample
 
 def _trunk_cut(model):
-    """The first module of the trunk's top, by name: a `blocks` list's last 3 (timm ViT, DeiT,
-    BEiT, EVA, CaiT, XCiT), a `stages` list's last (ConvNeXt, Swin, PVT) or ResNet's layerN.
-    Any other model (torchvision's, Hugging Face's): None, and SAR and DeYO adapt all norms."""
+    """Where the trunk's top starts: a `blocks` list's last 3 (timm's ViT, DeiT, BEiT, EVA,
+    CaiT, XCiT), a `stages` list's last (ConvNeXt, Swin, PVT), ResNet's last layerN. Any
+    other model (torchvision's, Hugging Face's): None, and SAR and DeYO adapt all norms."""
     layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -115,14 +114,14 @@ def _trunk_cut(model):
     return max(layers)[1] if len(layers) > 1 else None
 
 def adaptable_params(model, *, skip_top=False, private=True):
-    """{name: a norm layer's affine parameter}; skip_top (SAR, DeYO): only below the trunk's top
-    (ViT-B/16: blocks 0-8). private: BatchNorm refused (frozen at its statistics: private=False)."""
+    """{name: a norm layer's affine parameter}; skip_top (SAR, DeYO): below the trunk's top
+    only (ViT-B/16: blocks 0-8); private: BatchNorm refused (bn="source": private=False)."""
     bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)][:1]
-    need(not (private and bn), f"BatchNorm ({', '.join(bn)}, ...) mixes the samples of a batch: "
-         'no per-sample gradients (dp_, clip); bn="source" keeps its running statistics')
+    need(not (private and bn), f"BatchNorm ({', '.join(bn)}, ...) mixes the samples of a "
+         'batch: no per-sample gradients (dp_, clip); bn="source" keeps its statistics')
     cut, params = skip_top and _trunk_cut(model), {}
     for name, m in model.named_modules():
-        if name == cut:  # only the norms below the trunk's top
+        if name == cut:
             break
         if isinstance(m, NORMS):
             params.update({f"{name}.{k}": p for k, p in m.named_parameters(recurse=False)})
@@ -130,10 +129,10 @@ def adaptable_params(model, *, skip_top=False, private=True):
     return params
 
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
-    """g_i = ∇θ loss_fn(f_θ(x_i), ctx_i) for each i: ({name: [B, *shape]}, logits); loss_fn maps
-    (logits [N, K], ctx [N, ...] or None) to [N]. Sample i gets its own view θ_i of θ and a vmapped
-    forward of x_i alone; ONE plain backward of Σ_j ℓ_j gives each θ_i exactly g_i, each kernel
-    once on the batch (vmap(grad(ℓ)) would loop: fused attention's backward has no vmap rule)."""
+    """({name: g [B, *shape]}, logits), g_i = ∇θ loss_fn(f_θ(x_i), ctx_i); loss_fn: (logits
+    [N, K], ctx [N, ...] or None) -> [N]. Sample i: its own view θ_i of θ, a vmapped forward of
+    x_i alone; ONE backward of Σ_j ℓ_j gives each θ_i its g_i, each kernel run once on the batch
+    (vmap(grad(ℓ)) would loop: fused attention's backward has no vmap rule)."""
     coupled = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM) and m.training]
     need(not coupled, f"BatchNorm {', '.join(coupled)} in train mode: no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
@@ -143,10 +142,10 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
         logits = logits_of(functional_call(model, (theta_i, frozen), (xi[None],)))
         return loss_fn(logits, None if ctx is None else ci[None])[0], logits[0]
 
-    def batched_pass():  # a pass: the batch on GPU, 8 on CPU (ViT-S/16: 0.96x Tent; 32: 1.42x)
+    def batched_pass():  # the batch on GPU, 8 on CPU (ViT-S/16: 0.96x Tent; 32: 1.42x)
         grads, logits, step = [], [], chunk_size or {"cpu": 8}.get(x.device.type, len(x))
-        stand_in = x.new_zeros(len(x), 0)  # no ctx: an empty one that vmap can split
-        for xs, cs in zip(x.split(step), (stand_in if ctx is None else ctx).split(step)):
+        ctxs = x.new_zeros(len(x), 0) if ctx is None else ctx  # none: an empty one for vmap
+        for xs, cs in zip(x.split(step), ctxs.split(step)):
             # [b, *shape] views of θ: 38k scalars a sample for ViT-B/16, nothing copied
             theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
                      for n, p in params.items()}
@@ -156,32 +155,32 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
             logits.append(z.detach())
         return {n: torch.cat(g) for n, g in zip(params, zip(*grads))}, torch.cat(logits)
 
-    with contextlib.ExitStack() as stack:  # ops with no vmap rule, swapped for exact ones:
-        if x.device.type == "cpu":  # CPU's fused attention (CUDA's kernels batch as they are)
+    with contextlib.ExitStack() as stack:  # ops with no vmap rule, swapped for exact ones
+        if x.device.type == "cpu":  # CPU's fused attention (CUDA's kernels batch)
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        mha = torch.backends.mha  # nn.MultiheadAttention's eval fast path (no derivative either)
-        stack.callback(mha.set_fastpath_enabled, mha.get_fastpath_enabled())  # restored after
+        mha = torch.backends.mha  # nn.MultiheadAttention's eval fast path: no derivative
+        stack.callback(mha.set_fastpath_enabled, mha.get_fastpath_enabled())
         mha.set_fastpath_enabled(False)
-        for m in model.modules():  # adaptive pooling of a channels-last input (as_strided_):
-            if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):  # made contiguous
+        for m in model.modules():  # adaptive pooling's channels-last as_strided_
+            if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
                 stack.enter_context(m.register_forward_pre_hook(lambda _, a: a[0].contiguous()))
         return _without_fallback(batched_pass)
 
 def logits_of(out):
-    """A model's logits [B, K]: its output, or the output's .logits / ["logits"] (Hugging Face)."""
+    """A model's logits [B, K]: its output, or its .logits / ["logits"] (Hugging Face)."""
     z = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", out)
     if not isinstance(z, torch.Tensor):
-        raise TypeError(f"the model returned a {type(out).__name__}; DPTTA needs logits [B, K]: "
-                        "a tensor, or an output with .logits or ['logits']")
+        raise TypeError(f"the model returned a {type(out).__name__}; DPTTA needs logits "
+                        "[B, K], as a tensor or an output's .logits or ['logits']")
     return z
 
 def _without_fallback(fn):
-    """fn() with vmap's per-sample fallback an error. An op that needs it is warned about once,
-    counted, and run with it (exact, slow) unless the caller had switched it off. The switch
-    is private torch API: a torch without it runs fn() all the same, exact, and says so."""
+    """fn() with vmap's per-sample fallback an error; an op that needs it is warned about once,
+    counted and run with it (exact, slow) unless the caller had it off. The switch is private
+    torch API: a torch without it runs fn() all the same, exact, and says so."""
     functorch = getattr(torch._C, "_functorch", None)
     if not hasattr(functorch, "_set_vmap_fallback_enabled"):
-        warnings.warn("this torch cannot switch vmap's fallback off: no per-sample loop certified")
+        warnings.warn("this torch cannot switch vmap's fallback off: no loop certified")
         return fn()
     allowed = functorch._is_vmap_fallback_enabled()
     functorch._set_vmap_fallback_enabled(False)
@@ -194,18 +193,18 @@ def _without_fallback(fn):
     finally:
         functorch._set_vmap_fallback_enabled(allowed)
     if op[1] not in VMAP_FALLBACKS:
-        warnings.warn(f"per_sample_grads: {op[1]} has no vmap batching rule and runs once per "
-                      "sample (exact, slow); use another op (timm: fused_attn=False)", stacklevel=3)
+        warnings.warn(f"per_sample_grads: {op[1]} has no vmap rule and runs once per sample "
+                      "(exact, slow); use another op (timm: fused_attn=False)", stacklevel=3)
     VMAP_FALLBACKS[op[1]] = VMAP_FALLBACKS.get(op[1], 0) + 1
     return fn()
 
-def at_least_fp32(t):  # bf16/fp16 -> fp32, fp64 stays fp64 (and t itself if it is fp32)
+def at_least_fp32(t):  # bf16/fp16 -> fp32; fp32 and fp64 as they are
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
-    """Δ = (Σ_i g_i·min(1, C/‖g_i‖₂) + N(0, σ²C²I)) / B, one norm over all tensors; the noise
-    fits the *sum* (sensitivity 2C), then / B. In fp32 or better (a bf16 factor can push a norm
-    over C). A non-finite g_i counts as 0 (decided on i alone) and in tally["nonfinite"]."""
+    """Δ = (Σ_i g_i·min(1, C/‖g_i‖₂) + N(0, σ²C²I)) / B, one norm over all tensors: noise for
+    the *sum* (sensitivity 2C), then / B; in fp32 or better (a bf16 factor can push a norm over
+    C). A non-finite g_i counts as 0 (decided on i alone) and in tally["nonfinite"]."""
     g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
     finite = torch.isfinite(norms)
@@ -214,11 +213,12 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
         tally["nonfinite"] = tally.get("nonfinite", 0) + (~finite).sum()
     out = {}
     for name, t in g.items():
-        per_sample = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector broadcast over t
+        shape = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector broadcast over t
         # a non-finite g_i is selected away, not scaled by 0: NaN·0 is NaN
-        total = torch.where(finite.view(per_sample), factor.view(per_sample) * t, 0.0).sum(0)
+        total = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
         if sigma > 0:  # fresh noise for every tensor, N(0, σ²C²) per coordinate
-            total = total + sigma * clip * torch.empty_like(total).normal_(generator=generator)
+            noise = torch.empty_like(total).normal_(generator=generator)
+            total = total + sigma * clip * noise
         out[name] = total / len(t)  # / B
     return out
 
@@ -235,13 +235,13 @@ def come_entropy(logits, num_classes=None):
     # z ← z/‖z‖·stopgrad(‖z‖): same value, no gradient along z (no logit-norm inflation)
     norm = z.norm(dim=-1, keepdim=True)
     z = z / norm.clamp(min=1e-12) * norm.detach()  # clamp: all-zero logits stay 0, not NaN
-    # b = e^z / (Σ e^z + K), u = K / (Σ e^z + K)  ⇔  [b, u] = softmax([z, ln K]), overflow-free
+    # b = e^z / (Σ e^z + K), u = K / (Σ e^z + K)  ⇔  [b, u] = softmax([z, ln K])
     log_k = torch.full_like(z[..., :1], math.log(num_classes or z.shape[-1]))
     q = torch.cat([z, log_k], -1).softmax(-1) + 1e-7
     return -(q * q.log()).sum(-1)  # −Σ_{j=1}^{K+1} q_j log q_j
 
 def plpd(logits, shuffled_probs):
-    # PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x): how much the prediction rests on shape
+    # PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x): how much a prediction rests on shape
     p = at_least_fp32(logits).softmax(-1)
     y = p.argmax(-1, keepdim=True)
     return (p.gather(-1, y) - shuffled_probs.gather(-1, y)).squeeze(-1).detach()
@@ -260,17 +260,18 @@ def patch_shuffle(x, grid, generator):
     """x′: each image cut into grid×grid patches, shuffled with its own permutation.
     Pixels beyond the last full patch (H or W not divisible by grid) stay in place."""
     h, w = x.shape[-2] // grid, x.shape[-1] // grid  # one patch
-    patches = F.unfold(x[..., :h * grid, :w * grid], (h, w), stride=(h, w))  # [B, ch·h·w, grid²]
+    H, W = h * grid, w * grid  # the part cut into patches
+    patches = F.unfold(x[..., :H, :W], (h, w), stride=(h, w))  # [B, ch·h·w, grid²]
     perm = torch.rand(len(x), grid * grid, generator=generator, device=x.device).argsort(1)
     patches = patches.gather(2, perm[:, None].expand_as(patches))  # patch j ← patch perm_j
     out = x.clone()
-    out[..., :h * grid, :w * grid] = F.fold(patches, (h * grid, w * grid), (h, w), stride=(h, w))
+    out[..., :H, :W] = F.fold(patches, (H, W), (h, w), stride=(h, w))
     return out
 
 def bn_moments(x, mean, var, eps):
     """DP-Norm's per-sample view of a BatchNorm input x [B, C, ...]: v_i = (mean z, mean z² − 1),
     z = (x − μ_src)/√(var_src + eps): 0 at the public source, so a clip shrinks toward it."""
-    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, C, H·W] (BatchNorm1d's [B, C]: H·W = 1)
+    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, C, H·W] (BatchNorm1d: H·W = 1)
     z = (z - mean[:, None]) / (var[:, None] + eps).sqrt()
     return torch.cat([z.mean(-1), z.pow(2).mean(-1) - 1], 1)
 
@@ -299,7 +300,7 @@ WEIGHTED = ("eata", "deyo", "deyo_come")
 LOWER_NORMS = ("sar", "deyo", "deyo_come")
 SHUFFLED = ("deyo", "deyo_come")
 
-_ADAPTED = weakref.WeakValueDictionary()  # id(a model's parameter) -> the live DPTTA adapting it
+_ADAPTED = weakref.WeakValueDictionary()  # id(a model's parameter) -> its live DPTTA
 
 class DPTTA(nn.Module):
     """forward(x) predicts with θ (logits [B, K], detached), then adapts θ on x. method: a table
@@ -318,7 +319,7 @@ class DPTTA(nn.Module):
         self.method, self.base = method, method.removeprefix("dp_")  # base: the original
         self.private = private = method.startswith("dp_")
         need(eps is None or private, f"eps is for the dp_ methods only, not {method}")
-        need(eps is not None or not private, f"{method} needs eps (inf = clip only, no noise)")
+        need(eps is not None or not private, f"{method} needs eps (inf: clip only)")
         _check_privacy(eps=eps, delta=delta)
         need(clip is not None or not private or method == "dp_norm",
              f"{method} needs clip, the per-sample clip norm C")
@@ -329,8 +330,8 @@ class DPTTA(nn.Module):
         need(privacy_unit in ("image", "photo"), "privacy_unit is 'image' or 'photo'")
         need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
         need(bn in ("train", "source"), "bn is 'train' (test batch) or 'source' (frozen)")
-        need(isinstance(accumulate, int) and accumulate >= 1 and (accumulate == 1 or
-             method != "norm"), "accumulate must be an int >= 1 (norm keeps no state to add)")
+        need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
+        need(accumulate == 1 or method != "norm", "norm keeps no state to accumulate")
         self.eps, self.delta, self.privacy_unit, self.repeats = eps, delta, privacy_unit, repeats
         # repeats: the steps that see one unit (a photo in k streams, k rounds); no eps: σ = 0
         self.sigma = calibrate_sigma(eps=eps or math.inf, delta=delta, repeats=repeats)
@@ -346,10 +347,10 @@ class DPTTA(nn.Module):
         self.model = model.eval().requires_grad_(False)  # eval: nothing random under vmap
         self.releases, self.bn_src = 1, {}  # per image: one step, or dp_norm's L layers
         self.params = self.model_params = {}  # θ (source, norm: none)
-        if self.base == "norm":  # BN's statistics; dp_norm: its first bn_layers layers, σ·√L
+        if self.base == "norm":  # BN's statistics; dp_norm: the first bn_layers, σ·√L
             bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
-            need(bns and bn == "train", f"{method} re-estimates BatchNorm statistics: it needs a "
-                 "model with BatchNorm, and no bn='source'")
+            need(bns and bn == "train", f"{method} re-estimates BatchNorm statistics: it "
+                 "needs a model with BatchNorm, and no bn='source'")
             if private:
                 self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone())
                                for n, m in bns[:bn_layers]}
@@ -378,14 +379,14 @@ class DPTTA(nn.Module):
         self.tally = {}  # "nonfinite": samples left out for a non-finite loss or gradient
         self.reset()
 
-    def _claim(self):  # one live adapter per model: two would share θ, and reset() each other
+    def _claim(self):  # one live adapter per model: two would share θ, reset() each other
         taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED]
         need(not taken, f"{', '.join(taken[:1])} is adapted by another live DPTTA (they would "
              "share θ); give this one copy.deepcopy(model), or del the other first")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __setstate__(self, state):
-        """copy.copy, copy.deepcopy, pickle: the copy reseeds from OS entropy (no shared noise)."""
+        """copy, deepcopy, pickle: the copy reseeds from OS entropy (no shared noise)."""
         super().__setstate__(state)
         if self.base != "source":
             self._claim()
@@ -393,7 +394,7 @@ class DPTTA(nn.Module):
             g.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def get_extra_state(self):
-        """In state_dict(): what resumes a run exactly, the noise where it stood (load it once)."""
+        """In state_dict(): what resumes a run exactly, noise where it stood (load it once)."""
         return dict(method=self.method, sigma=self.sigma, theta=dict(self.params),
                     theta0=self.theta0, opt=self.opt and self.opt.state_dict(),
                     noise=self.noise_gen.get_state(), shuffle=self.shuffle_gen.get_state(),
@@ -412,7 +413,7 @@ class DPTTA(nn.Module):
         self.shuffle_gen.set_state(state["shuffle"])
 
     def reset(self):
-        """Back to the source model: parameters, optimizer and method state (not the RNGs)."""
+        """Back to the source: parameters, optimizer and method state (not the RNGs)."""
         self._set_theta(self.theta0)
         self.opt = self.params and torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
         self.ema = self.m = self.g_prev = None
@@ -424,7 +425,7 @@ class DPTTA(nn.Module):
             self.model.get_submodule(bn).running_var.copy_(var)
 
     @torch.no_grad()
-    def _set_theta(self, values, theta0=None):  # θ; a bf16/fp16 model gets its masters, rounded
+    def _set_theta(self, values, theta0=None):  # θ ← values; a bf16 model: rounded
         for n, p in self.params.items():
             p.copy_(values[n])
             self.model_params[n].copy_(p)  # p itself in an fp32 model: a no-op
@@ -433,13 +434,13 @@ class DPTTA(nn.Module):
 
     # -- the few places where methods differ besides ℓ_i ----------------------
     def loss(self, logits, ctx):
-        """ℓ_i, the per-sample loss whose gradient is clipped: the table's second column."""
+        """ℓ_i, the per-sample loss whose gradient is clipped (the table's 2nd column)."""
         if self.base not in WEIGHTED:
             return self.ent(logits)
         return confidence_weighted(logits, ctx, ent=self.ent, e_margin=self.hp["e_margin"],
                                    num_classes=self.hp["num_classes"])
 
-    def _keep(self, logits, ctx, keep):  # the original's filter, and-ed into keep (None: all)
+    def _keep(self, logits, ctx, keep):  # the original's filter, and-ed with keep
         if self.private or self.base in ("tent", "come"):
             return keep
         margin = self.hp["deyo_margin" if self.base in SHUFFLED else "e_margin"]
@@ -447,10 +448,10 @@ class DPTTA(nn.Module):
         new = self.ent(logits.detach()) < margin * log_k  # reliable: H < margin·ln K
         if self.base in SHUFFLED:
             new &= plpd(logits, ctx) > self.hp["plpd_threshold"]
-        if self.base == "eata":  # redundancy: skip samples that look like the recent average
+        if self.base == "eata":  # redundancy: skip samples like the recent average
             p = logits.detach().float().softmax(-1)
-            if self.m is not None:
-                new &= torch.cosine_similarity(self.m[None], p, dim=1).abs() < self.hp["d_margin"]
+            if self.m is not None:  # |cos(m, p)| < d
+                new &= torch.cosine_similarity(self.m[None], p, 1).abs() < self.hp["d_margin"]
             if new.any():  # m ← 0.9·m + 0.1·mean(p of kept)
                 mean = p[new].mean(0)
                 self.m = mean if self.m is None else 0.9 * self.m + 0.1 * mean
@@ -458,7 +459,7 @@ class DPTTA(nn.Module):
 
     @torch.no_grad()
     def context(self, x):
-        """What ℓ_i reads besides its logits: DeYO's softmax on the patch-shuffled x′, or None."""
+        """What ℓ_i reads besides its logits: DeYO's softmax on patch-shuffled x′, or None."""
         if self.base not in SHUFFLED:
             return None
         xs = patch_shuffle(x, self.hp["patch_grid"], self.shuffle_gen)
@@ -477,7 +478,7 @@ class DPTTA(nn.Module):
         g, logits = per_sample_grads(self.model, theta, self.loss, x, ctx,
                                      chunk_size=self.chunk_size)
         keep = self._keep(logits, ctx, keep)
-        if keep is not None:  # clip-only originals: the sample set (and B) is data dependent
+        if keep is not None:  # clip-only originals: B is data dependent
             if not keep.any():
                 return logits, None, keep
             g = {n: t[keep] for n, t in g.items()}
@@ -619,36 +620,37 @@ from torchvision.datasets.folder import has_file_allowed_extension
 CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur",
                "motion_blur", "zoom_blur", "snow", "frost", "fog", "brightness", "contrast",
                "elastic_transform", "pixelate", "jpeg_compression")
-HELD_OUT = ("speckle_noise", "gaussian_blur", "spatter", "saturate")  # for choosing hyperparameters
-LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT/<wnid>/*.jpg); "
-          "ImageNet-C is at https://zenodo.org/record/2235448")
+HELD_OUT = ("speckle_noise", "gaussian_blur", "spatter", "saturate")  # for tuning
+LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: "
+          "ROOT/<wnid>/*.jpg); ImageNet-C: https://zenodo.org/record/2235448")
 
 def reached_once(seen, path, node=None):
-    """Refuses a file or folder whose node (device, inode), stat'ed unless given, `seen`
-    {node: path} holds under another path."""
+    """Refuses a path whose node (device, inode; stat'ed unless given) `seen` {node: path}
+    holds under another path."""
     if node is None:
         st = os.stat(path)
         node = st.st_dev, st.st_ino
     first = seen.setdefault(node, path)
-    need(first == path, f"{path} is {first} again (a link?): each image must be reachable once "
-         "in a stream; remove the link or copy the file")
+    need(first == path, f"{path} is {first} again (a link?): an image is in a stream once; "
+         "remove the link or copy the file")
 
 class WnidFolder(ImageFolder):
-    """ImageFolder with ImageNet-1k targets by WordNet id, never by enumeration (a subset of
-    classes still scores right); an unreadable image is (None, path), not a crash hours in."""
+    """ImageFolder with ImageNet-1k targets by WordNet id (a subset of classes scores
+    right); an unreadable image is (None, path), not a crash hours in."""
 
     def __init__(self, root, transform=None):
-        super().__init__(root, transform)  # raises if there is no class folder or one is empty
+        super().__init__(root, transform)  # raises: no class folder, or an empty one
         index = {w: i for i, w in enumerate(timm.data.ImageNetInfo().label_names())}
         unknown = [c for c in self.classes if c not in index]
         if unknown:
-            raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; {LAYOUT}")
+            raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; "
+                             f"{LAYOUT}")
         self.imagenet_index = [index[c] for c in self.classes]
 
     def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None,
                      allow_empty=False):
-        """ImageFolder's listing; a file or folder reached twice (a link, a loop) is refused.
-        self.nodes: {(device, inode): path} of every one, which Mixed merges without a stat."""
+        """ImageFolder's listing, a path reached twice (a link, a loop) refused; self.nodes:
+        {(device, inode): path} of each, which Mixed merges without a stat."""
         self.nodes = {}
         once = partial(reached_once, self.nodes)
         once(directory)
@@ -658,8 +660,9 @@ class WnidFolder(ImageFolder):
             walk = []
             for folder, _, files in os.walk(os.path.join(directory, c), followlinks=True):
                 once(folder)  # a loop stops here, at its first turn
-                walk.append((folder, sorted(files)))  # ImageFolder's order: folder, then file
-            found = [os.path.join(d, f) for d, files in sorted(walk) for f in files]
+                walk.append((folder, sorted(files)))
+            # ImageFolder's order: by folder, then by file
+            found = [os.path.join(d, f) for d, fs in sorted(walk) for f in fs]
             found = [p for p in found if valid(p)]
             if not found and not allow_empty:
                 raise FileNotFoundError(f"Found no valid file for the classes {c}")
@@ -673,22 +676,24 @@ class WnidFolder(ImageFolder):
         try:
             return self.transform(self.loader(path)), self.imagenet_index[c]
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-            return None, path  # PIL: truncated, corrupt, not an image, a decompression bomb
+            return None, path  # truncated, corrupt, not an image, a decompression bomb
 
 def collate_skipping(batch):
-    """(x, y, unreadable paths): an unreadable image becomes a gray placeholder labelled −1, not
-    scored but in B (the divisor never depends on a file's readability; clipped like any)."""
-    good, bad = [b for b in batch if b[0] is not None], [path for x, path in batch if x is None]
+    """(x, y, unreadable paths): an unreadable image is a gray placeholder labelled −1, not
+    scored but in B (the divisor never depends on a file's readability)."""
+    bad = [path for x, path in batch if x is None]
+    good = [b for b in batch if b[0] is not None]
     if not good:
         return None, None, bad
     blank = (torch.zeros_like(good[0][0]), -1)
-    return (*default_collate([blank if b[0] is None else b for b in batch]), bad)
+    return (*default_collate([b if b[0] is not None else blank for b in batch]), bad)
 
 def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=False,
                  order="random"):
-    """A DataLoader over a seeded shuffle (the first `limit` images) in `order`: "random", "class"
-    (SAR's label shift) or "dirichlet:ALPHA" (RoTTA's: each class spread by Dir(ALPHA))."""
-    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit]
+    """A DataLoader over a seeded shuffle (its first `limit` images) in `order`: "random",
+    "class" (SAR's label shift) or "dirichlet:ALPHA" (RoTTA's: a class spread by Dir(ALPHA))."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(dataset), generator=gen)[:limit]
     labels = np.asarray(dataset.targets)[perm.numpy()]
     if order == "class":
         perm = perm[np.argsort(labels, kind="stable")]
@@ -697,32 +702,35 @@ def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=F
         slots = [[] for _ in classes]
         for c in classes:  # class c's images cut into consecutive slots by Dir(α) shares
             mine = perm.numpy()[labels == c]
-            cuts = (np.cumsum(rng.dirichlet([float(order[10:])] * len(classes))) * len(mine))
-            for slot, part in zip(slots, np.split(mine, cuts.astype(int)[:-1])):
+            share = rng.dirichlet([float(order[10:])] * len(classes))
+            cuts = (np.cumsum(share) * len(mine)).astype(int)[:-1]
+            for slot, part in zip(slots, np.split(mine, cuts)):
                 slot.extend(part)
-        perm = torch.as_tensor([i for slot in slots for i in rng.permutation(slot)], dtype=int)
+        perm = torch.as_tensor([i for s in slots for i in rng.permutation(s)], dtype=int)
     return DataLoader(Subset(dataset, perm.tolist()), batch_size, num_workers=workers,
                       collate_fn=collate_skipping, pin_memory=pin_memory)
 
 class Mixed(torch.utils.data.ConcatDataset):
-    """--setting mixed (SAR's): one stream of all corruptions, labels y + TAG·c (c: corruption)."""
+    """--setting mixed (SAR's): one stream of all corruptions c, labelled y + TAG·c."""
     TAG = 1000
 
     def __init__(self, streams):
         super().__init__(list(streams.values()))
-        once = partial(reached_once, {})  # one stream now: a file in two corruptions' folders
+        # one stream: no file in two corruptions' folders
+        once = partial(reached_once, {})
         for node, path in (n for part in self.datasets for n in part.nodes.items()):
             once(path, node)
         self.targets = [p.imagenet_index[t] for p in self.datasets for t in p.targets]
 
     def __getitem__(self, i):
         x, y = super().__getitem__(i)
-        c = int(np.searchsorted(self.cumulative_sizes, i, "right"))  # its corruption
+        c = int(np.searchsorted(self.cumulative_sizes, i, "right"))
         return (x, y + self.TAG * c) if x is not None else (x, y)
 
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     """An ImageNet-C-shaped tree of random JPEGs: n per corruption over 10 real wnids."""
-    wnids, rng = timm.data.ImageNetInfo().label_names()[:10], np.random.default_rng(seed)
+    wnids = timm.data.ImageNetInfo().label_names()[:10]
+    rng = np.random.default_rng(seed)
     for c in corruptions:
         for i in range(n):
             folder = os.path.join(root, c, str(severity), wnids[i % len(wnids)])
@@ -732,14 +740,15 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     return root
 
 def fisher_information(model, params, images, n=2000):
-    """EATA's F: mean over batches of (∇θ CE(f(x), argmax f(x)))², on n clean source images."""
+    """EATA's F: the mean over batches of (∇θ CE(f(x), argmax f(x)))², n clean images."""
     p = {k: t.detach().requires_grad_() for k, t in params.items()}
     fisher, batches, seen = {k: torch.zeros_like(t) for k, t in p.items()}, 0, 0
     device = next(iter(p.values())).device
     for x in images:
         x = x[:n - seen].to(device)
         logits = functional_call(model, p, (x,))
-        g = torch.autograd.grad(F.cross_entropy(logits, logits.argmax(1)), list(p.values()))
+        loss = F.cross_entropy(logits, logits.argmax(1))
+        g = torch.autograd.grad(loss, list(p.values()))
         for k, t in zip(p, g):
             fisher[k] += t ** 2
         batches, seen = batches + 1, seen + len(x)
@@ -789,22 +798,23 @@ HP_TYPES = dict(e_margin=(float, 0, inf), d_margin=(float, 0, inf), rho=(float, 
 def constants_used(method, fisher=False):
     """The --hp names that change a run of `method` (a filter's only where filters run)."""
     base, deyo = method.removeprefix("dp_"), "deyo_margin plpd_threshold"
-    filters = dict(eata="e_margin d_margin", sar="e_margin reset_ema", deyo=deyo, deyo_come=deyo)
+    filters = dict(eata="e_margin d_margin", sar="e_margin reset_ema", deyo=deyo,
+                   deyo_come=deyo)
     uses = [(base == "sar", "rho"), (base in SHUFFLED, "patch_grid"),
             (method == "dp_norm", "bn_scale bn_momentum bn_floor bn_layers"),
-            (base in WEIGHTED, "e_margin num_classes"),  # weight exp(E0 − H), E0 = e_margin·ln K
+            (base in WEIGHTED, "e_margin num_classes"),  # exp(E0 − H), E0 = e_margin·ln K
             (base in COME_LOSS, "num_classes"),  # COME's u = K/S
             (fisher and base == "eata", "fisher_lambda fisher_size"),
-            (method in filters, f"{filters.get(method)} num_classes")]  # the originals' filters
+            (method in filters, f"{filters.get(method)} num_classes")]
     return {name for on, names in uses if on for name in names.split()}
 
 def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
-    """(C, lr, their source) from the paper's tables; an original with a clip: clip-only's."""
+    """(C, lr, their source) from the paper's tables (an original with a clip: clip-only)."""
     private, base = method.startswith("dp_"), method.removeprefix("dp_")
     if base in ("source", "norm"):
         return None, None, "no gradient step"
     table_base, note = base, ""
-    if base == "come":  # the paper tunes COME only inside DeYO; Tent shares its all-norms setup
+    if base == "come":  # tuned only inside DeYO; Tent shares its all-norms setup
         table_base, note = "tent", "; no entry for COME alone, Tent's used"
     if (private and math.isinf(eps)) or (not private and clip is not None):
         return (*PAPER_CLIP_ONLY[setting][table_base], f"paper, clip-only {table_base}, "
@@ -813,16 +823,16 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
         where = f"paper, non-private {table_base}, {setting}{note}"
         return None, PAPER_LR[setting][table_base], where
     row = PAPER_DP[setting]["dp_" + table_base]
-    near = min(row, key=lambda e: abs(math.log(e / eps)))  # nearest tuned ε on a log scale
+    near = min(row, key=lambda e: abs(math.log(e / eps)))  # the nearest tuned ε, log scale
     if near != eps:
         note += f"; ε={eps:g} not tuned, nearest tuned ε={near} (log scale) used"
     return (*row[near], f"paper, dp_{table_base} ε={near}, {setting}{note}")
 
 # -- The command line --------------------------------------------------------
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
-STOP = []  # signals received: the stream loop checks it, so no teardown can swallow a Ctrl-C
+STOP = []  # signals received: checked by the stream loop
 
-def fail(msg):  # a bad input: one line on stderr, exit code 2, no traceback
+def fail(msg):  # a bad input: one line on stderr, exit 2
     print(f"dptta: error: {msg}", file=sys.stderr)
     sys.exit(2)
 
@@ -830,65 +840,64 @@ def require(ok, msg):
     if not ok:
         fail(msg)
 
-def one_line(e):  # an exception's whole message on one line
+def one_line(e):  # an exception's message on one line
     return " ".join(str(e).split()) or type(e).__name__
 
-def or_fail(make, *args, **kwargs):  # make(...), or its ValueError as one line and exit 2
+def or_fail(make, *args, **kwargs):  # make(...), or its ValueError: exit 2
     try:
         return make(*args, **kwargs)
     except ValueError as e:
         fail(str(e))
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's own complaints: one line and exit 2 too
+    def error(self, message):  # one line, exit 2 too
         fail(message)
 
 def parse_args(argv=None):
     ap = Parser(description="Differentially private test-time adaptation on ImageNet-C/-R.")
     g = ap.add_argument_group("method and privacy").add_argument
     g("--method", default="dp_tent", choices=METHODS, help="default dp_tent")
-    g("--eps", type=float, help="dp_ methods: ε per privacy unit; inf = clip only (default 5)")
-    g("--delta", type=float, help="dp_ methods: δ (default 1e-6)")
+    g("--eps", type=float, help="ε of a dp_ method; inf: clip only (default 5)")
+    g("--delta", type=float, help="δ of a dp_ method (default 1e-6)")
     g("--privacy-unit", default="image", choices=("image", "photo"), help="photo: σ·√streams")
-    g("--clip", type=float, help="per-sample clip C (dp_: the paper's); an original: clip-only")
-    g("--lr", type=float, help="SGD learning rate, momentum 0.9 (default: the paper's)")
+    g("--clip", type=float, help="per-sample clip C; an original: clip-only")
+    g("--lr", type=float, help="SGD-momentum learning rate")
     g("--hp", action="append", default=[], metavar="NAME=VALUE",
-      help=f"a method constant, repeatable: {', '.join(HP_TYPES)}")
+      help=f"a method constant: {', '.join(HP_TYPES)}")
     g = ap.add_argument_group("data").add_argument
-    g("--data", default=os.environ.get("IMAGENET_C"), help="dataset root (default: $IMAGENET_C)")
+    g("--data", default=os.environ.get("IMAGENET_C"), help="root (default $IMAGENET_C)")
     g("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"))
-    g("--severity", type=int, help="ImageNet-C severity, 1-5 (default 5)")
-    g("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, in stream order")
-    g("--fisher-data", help="EATA: clean source images (<wnid>/ folders) for the Fisher")
-    g("--limit", type=int, help="images per corruption, for quick looks")
-    g("--workers", type=int, default=min(8, os.cpu_count() or 1), help="DataLoader workers")
-    g("--synthetic", type=int, metavar="N", help="smoke run: N random images a corruption")
+    g("--severity", type=int, help="ImageNet-C's, 1-5 (default 5)")
+    g("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, in order")
+    g("--fisher-data", help="EATA's clean images (<wnid>/ folders)")
+    g("--limit", type=int, help="images per corruption")
+    g("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    g("--synthetic", type=int, metavar="N", help="smoke run: N random images each")
     g = ap.add_argument_group("model").add_argument
-    g("--model", help=f"timm model name (default {DEFAULT_MODEL})")
-    g("--checkpoint", help="local weights for --model (offline clusters)")
-    g("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if any")
-    g("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast on CUDA (default)")
-    g("--bn", choices=("train", "source"), help="BatchNorm: the test batch's statistics or frozen")
+    g("--model", help=f"timm name (default {DEFAULT_MODEL})")
+    g("--checkpoint", help="local weights for --model")
+    g("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    g("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast on CUDA")
+    g("--bn", choices=("train", "source"), help="BatchNorm: test batch or source statistics")
     g = ap.add_argument_group("run").add_argument
-    g("--setting", default="continual", choices=("continual", "episodic", "mixed"),
-      help="episodic: reset before each corruption; mixed: all in one shuffled stream")
-    g("--order", default="random", help="random, class (sorted) or dirichlet:ALPHA")
-    g("--repeat", type=int, default=1, help="stream the corruptions N times, θ never reset")
-    g("--accumulate", type=int, default=1, help="predict at arrival, step once per K batches")
-    g("--batch-size", type=int, help="test batch (default 64; --benchmark on CPU: 32)")
-    g("--seed", type=int, default=0, help="data order, noise and patch shuffles (default 0)")
-    g("--out", help="appended JSON lines (default results.jsonl, results-smoke/-benchmark/-audit)")
-    g("--resume", action="store_true", help="skip the run if --out already holds it")
-    g("--log-every", type=int, default=100, help="a progress line every N batches (default 100)")
+    g("--setting", default="continual", choices=("continual", "episodic", "mixed"))
+    g("--order", default="random", help="random, class or dirichlet:ALPHA")
+    g("--repeat", type=int, default=1, help="stream the corruptions N times")
+    g("--accumulate", type=int, default=1, help="a step per K batches")
+    g("--batch-size", type=int, help="default 64 (--benchmark on CPU: 32)")
+    g("--seed", type=int, default=0, help="data order, noise, patch shuffles")
+    g("--out", help="JSON lines, appended (default results*.jsonl)")
+    g("--resume", action="store_true", help="skip a run --out holds; finish a killed one")
+    g("--log-every", type=int, default=100, help="a progress line per N batches")
     g = ap.add_argument_group("tools").add_argument
-    g("--summarize", metavar="JSONL", help="print the paper-style tables of a file")
-    g("--per-corruption", action="store_true", help="--summarize: also a table per corruption")
-    g("--error", action="store_true", help="--summarize: error %% (100 − top-1), not top-1")
-    g("--benchmark", action="store_true", help="time one step of every method: plain, clip, DP")
-    g("--rounds", type=int, help="--benchmark: timed rounds, median reported (default 5)")
-    g("--audit", action="store_true", help="empirical ε lower bound of --method at --eps")
-    g("--trials", type=int, help="--audit: white-box trials per world (default 20000)")
-    g("--e2e-trials", type=int, help="--audit: end-to-end trials per world (default 5000)")
+    g("--summarize", metavar="JSONL", help="the paper-style tables of a file")
+    g("--per-corruption", action="store_true", help="--summarize: a table per corruption")
+    g("--error", action="store_true", help="--summarize: error %%, not top-1")
+    g("--benchmark", action="store_true", help="time a step of every method")
+    g("--rounds", type=int, help="--benchmark: timed rounds (default 5)")
+    g("--audit", action="store_true", help="an empirical ε lower bound")
+    g("--trials", type=int, help="--audit: white-box trials (default 20000)")
+    g("--e2e-trials", type=int, help="--audit: end-to-end trials (default 5000)")
     return ap.parse_args(argv)
 
 def parse_hp(items):
@@ -896,7 +905,7 @@ def parse_hp(items):
     hp = {}
     for item in items:
         name, _, value = item.partition("=")
-        require(name in HP_TYPES, f"--hp {item}: unknown constant; one of {', '.join(HP_TYPES)}")
+        require(name in HP_TYPES, f"--hp {item}: unknown constant; {', '.join(HP_TYPES)}")
         kind, low, high = HP_TYPES[name]
         try:
             hp[name] = kind(value)
@@ -908,9 +917,9 @@ def parse_hp(items):
 
 def check_common(args, mode=None):
     """The flags every mode reads, and none of another mode's: one line and exit 2."""
-    for flag, tool, default in (("rounds", "benchmark", 5), ("trials", "audit", 20000),
-                                ("e2e_trials", "audit", 5000), ("per_corruption", "summarize", 0),
-                                ("error", "summarize", 0)):
+    tools = dict(rounds=("benchmark", 5), trials=("audit", 20000), e2e_trials=("audit", 5000),
+                 per_corruption=("summarize", 0), error=("summarize", 0))
+    for flag, (tool, default) in tools.items():
         value = getattr(args, flag)
         require(value in (None, False) or mode == tool,
                 f"--{flag.replace('_', '-')} is for --{tool} only")
@@ -922,9 +931,9 @@ def check_common(args, mode=None):
     for flag in ("clip", "lr"):
         v = getattr(args, flag)
         require(v is None or 0 < v < math.inf, f"--{flag} must be finite and > 0, got {v}")
-    for flag, low in (("batch_size", 1), ("rounds", 1), ("trials", 100), ("e2e_trials", 100),
-                      ("workers", 0), ("seed", 0), ("limit", 1), ("log_every", 1),
-                      ("synthetic", 1), ("repeat", 1), ("accumulate", 1)):
+    lows = dict(batch_size=1, rounds=1, trials=100, e2e_trials=100, workers=0, seed=0, limit=1,
+                log_every=1, synthetic=1, repeat=1, accumulate=1)
+    for flag, low in lows.items():
         v = getattr(args, flag)
         require(v is None or v >= low, f"--{flag.replace('_', '-')} must be >= {low}, got {v}")
     if args.model is not None:
@@ -934,61 +943,61 @@ def check_common(args, mode=None):
             "--device cuda, but no CUDA device is visible")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.dtype = "bf16" if args.amp == "bf16" and args.device == "cuda" else "fp32"  # CPU: slow
+    args.dtype = "bf16" if args.amp == "bf16" and args.device == "cuda" else "fp32"
 
 def check_args(args):
-    """Every flag checked, defaults filled in; one line and exit 2 for anything wrong. Folders
-    and weights are checked when opened, still before the first image."""
+    """Every flag checked, defaults filled in: one line and exit 2 for anything wrong (folders
+    and weights when opened, still before the first image)."""
     check_common(args)
     private, base = args.method.startswith("dp_"), args.method.removeprefix("dp_")
-    suggestion = f" (try dp_{args.method})" if args.method != "source" else ""
+    hint = f" (try dp_{args.method})" if args.method != "source" else ""
     require(args.eps is None or private,
-            f"--eps applies to dp_ methods only; {args.method} is not private{suggestion}")
+            f"--eps applies to dp_ methods only; {args.method} is not private{hint}")
     if private and args.eps is None:
         args.eps = 5.0
-    noisy = private and math.isfinite(args.eps)  # flags below that change nothing: refused
+    noisy = private and math.isfinite(args.eps)  # a flag that changes nothing: refused
     require(args.delta is None or noisy, "--delta applies to a dp_ method with a finite --eps")
     if noisy and args.delta is None:
         args.delta = 1e-6
     require(args.privacy_unit == "image" or noisy,
             "--privacy-unit photo applies to a dp_ method with a finite --eps")
-    require(base not in ("source", "norm") or all(v is None for v in (args.clip, args.lr, args.bn)),
+    stateless = base in ("source", "norm")
+    require(not stateless or (args.clip, args.lr, args.bn) == (None, None, None),
             f"{args.method} takes no gradient step: --clip, --lr and --bn do not apply")
     if args.fisher_data and base != "eata":  # EXTRA of a grid passes it to every cell
         print(f"note: --fisher-data is for eata and dp_eata only; {args.method} ignores it")
         args.fisher_data = None
-    order = args.order.partition(":")
-    require(args.order in ("random", "class") or order[0] == "dirichlet" and _positive(order[2]),
+    kind, _, alpha = args.order.partition(":")
+    require(args.order in ("random", "class") or kind == "dirichlet" and _positive(alpha),
             f"--order is random, class or dirichlet:ALPHA with ALPHA > 0, got {args.order!r}")
-    for flag in ("repeat", "accumulate"):  # source and norm keep no state: nothing changes
-        require(getattr(args, flag) == 1 or base not in ("source", "norm"),
+    for flag in ("repeat", "accumulate"):
+        require(getattr(args, flag) == 1 or not stateless,
                 f"--{flag}: {args.method} keeps no state, so it changes nothing")
     require(args.repeat == 1 or args.setting != "episodic",
-            "--repeat is for continual or mixed streams (episodic resets anyway)")
+            "--repeat is for continual or mixed streams (episodic resets)")
     require(args.severity is None or args.dataset == "imagenet_c", "--severity: ImageNet-C only")
     args.severity = args.severity or 5
     require(1 <= args.severity <= 5, f"--severity must be in 1..5, got {args.severity}")
     args.hp = parse_hp(args.hp)
     for name in sorted(set(args.hp) - constants_used(args.method, bool(args.fisher_data))):
         fail(f"--hp {name} does not change a {args.method} run (see constants_used)")
-    # a given --model was checked above; the default is a known name and tag
     args.batch_size, args.model = args.batch_size or 64, args.model or DEFAULT_MODEL
     args.corruptions = [c for c in args.corruptions.split(",") if c]
     require(args.corruptions, "--corruptions is empty")
+    known = CORRUPTIONS + HELD_OUT
     for c in args.corruptions:
-        require(c in CORRUPTIONS + HELD_OUT,
-                f"unknown corruption {c!r}; choose from {', '.join(CORRUPTIONS + HELD_OUT)}")
+        require(c in known, f"unknown corruption {c!r}; choose from {', '.join(known)}")
     require(len(set(args.corruptions)) == len(args.corruptions), "--corruptions repeats one")
     if args.dataset == "imagenet_r":
         require(not args.synthetic, "--synthetic makes ImageNet-C trees, not ImageNet-R")
         args.corruptions = ["imagenet_r"]
-    if args.synthetic and args.corruptions == list(CORRUPTIONS):  # keep a smoke run short
+    if args.synthetic and args.corruptions == list(CORRUPTIONS):  # a short smoke run
         args.corruptions = args.corruptions[:3]
     require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
     require(args.synthetic or os.path.isdir(args.data),
             f"--data {args.data} is not a folder; {LAYOUT}")
     for flag, fits, kind in (("checkpoint", os.path.isfile, "a file"),
-                             ("fisher_data", os.path.isdir, "a folder of <wnid>/ image folders")):
+                             ("fisher_data", os.path.isdir, "a folder of <wnid>/ folders")):
         path, name = getattr(args, flag), "--" + flag.replace("_", "-")
         require(path is None or os.path.exists(path), f"{name} {path} does not exist")
         require(path is None or fits(path), f"{name} {path} is not {kind}")
@@ -1002,7 +1011,7 @@ def _positive(text):
         return False
 
 def check_out(args, default):
-    """--out (or default): a writable file in a folder that exists; its first record makes it."""
+    """--out (or default): a writable file, or one its folder can hold."""
     args.out = args.out or default
     folder = os.path.dirname(os.path.abspath(args.out))
     require(not os.path.isdir(args.out), f"--out {args.out} is a folder, not a file")
@@ -1015,11 +1024,11 @@ def check_model(name):
     require(timm.is_model(name), f"unknown timm model {name!r}")
     try:
         timm.models.get_pretrained_cfg(name)
-    except RuntimeError as e:  # "Invalid pretrained tag (foo) for vit_base_patch16_224."
+    except RuntimeError as e:
         fail(f"{e}; tags: {', '.join(timm.list_pretrained(name.split('.')[0] + '.*'))}")
 
 def open_folder(folder):
-    """A WnidFolder, or one line and exit 2 (missing, no class, an empty class, not a wnid)."""
+    """A WnidFolder, or one line and exit 2 (missing, no class, empty, not a wnid)."""
     require(os.path.isdir(folder), f"missing {folder}; {LAYOUT}")
     try:
         return WnidFolder(folder)
@@ -1035,16 +1044,15 @@ def build_model(name, checkpoint=None, random_weights=False):
     """A timm model with its pretrained weights, a local checkpoint, or random weights."""
     try:
         model = timm.create_model(name, pretrained=not (random_weights or checkpoint))
-    except Exception as e:  # no network for the weights, no cache, ...
+    except Exception as e:  # no network, no cache, ...
         cfg = timm.models.get_pretrained_cfg(name)
         where = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or name
-        fail(f"cannot load the pretrained weights of {name} ({where}): {one_line(e)}; offline: "
-             "fetch them elsewhere and pass --checkpoint PATH, or set HF_HUB_OFFLINE=1 to use a "
-             "local cache")
+        fail(f"cannot load the weights of {name} ({where}): {one_line(e)}; offline: pass "
+             "--checkpoint PATH, or HF_HUB_OFFLINE=1 to use a local cache")
     if checkpoint:
         try:
             timm.models.load_checkpoint(model, checkpoint)
-        except Exception as e:  # empty, not a checkpoint, wrong keys or shapes
+        except Exception as e:
             fail(f"--checkpoint {checkpoint} does not fit {name}: {one_line(e)}")
     return model
 
@@ -1053,20 +1061,20 @@ def run_key(args):
     key = {k: getattr(args, k) for k in ("method", "eps", "delta", "privacy_unit", "clip", "lr",
            "hp", "batch_size", "setting", "order", "repeat", "accumulate", "dataset", "severity",
            "corruptions", "model", "bn", "seed", "limit")}
-    if args.synthetic:  # random weights on a random tree
+    if args.synthetic:
         key.update(weights="random", data=f"synthetic:{args.synthetic}")
     else:
         key.update(weights="pretrained", data=os.path.abspath(args.data))
-    if args.checkpoint:  # by path, size and mtime
+    if args.checkpoint:
         st = os.stat(args.checkpoint)
-        key["weights"] = {"checkpoint": os.path.abspath(args.checkpoint), "bytes": st.st_size,
-                          "mtime": int(st.st_mtime)}
+        key["weights"] = dict(checkpoint=os.path.abspath(args.checkpoint), bytes=st.st_size,
+                              mtime=int(st.st_mtime))
     key.update(fisher_data=args.fisher_data and os.path.abspath(args.fisher_data),
                dtype=args.dtype)
     return json.loads(json.dumps(jsonable(key)))  # as it reads back (lists, not tuples)
 
 def jsonable(x):
-    """Standard JSON has no inf or NaN: a non-finite float becomes "inf", "-inf" or "nan"."""
+    """x with each non-finite float as "inf", "-inf" or "nan" (JSON has none)."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
@@ -1076,7 +1084,7 @@ def jsonable(x):
     return x
 
 def read_jsonl(path, flag):
-    """A JSONL file's records; a damaged line is skipped and named, a file of none is exit 2."""
+    """A JSONL file's records: a damaged line skipped and named, a file of none exit 2."""
     require(os.path.isfile(path), f"{flag} {path} does not exist")
     records, damaged = [], []
     with open(path, errors="replace") as f:
@@ -1099,8 +1107,8 @@ def read_jsonl(path, flag):
     return records
 
 def append_jsonl(path, record):
-    """Appends one whole JSON line (the first creates the file), on a new line after one left
-    unended (a crash, a full disk); a failed write prints the record (not lost) and exits 4."""
+    """Appends one whole JSON line, after a newline if the last was left unended (a crash, a
+    full disk); a failed write prints the record (not lost) and exits 4."""
     text = json.dumps(jsonable(record), allow_nan=False)
     line = (text + "\n").encode()
     try:
@@ -1109,36 +1117,41 @@ def append_jsonl(path, record):
             end = os.fstat(fd).st_size
             if end and os.pread(fd, 1, end - 1) != b"\n":
                 line = b"\n" + line
-            while line:  # O_APPEND: parallel runs never interleave lines; a short write: the rest
+            while line:  # O_APPEND: runs never interleave lines; a short write: the rest
                 line = line[os.write(fd, line):]
         finally:
             os.close(fd)
     except OSError as e:
         print(text, flush=True)
-        print(f"dptta: error: cannot write {path} ({e.strerror}); its record is the line above",
+        print(f"dptta: error: cannot write {path} ({e.strerror}); the record is above",
               file=sys.stderr)
         sys.exit(4)
 
 def privacy_ledger(adapter, streams, rounds=1):
-    """What is promised, to whom, in numbers; streams: showing each photo; rounds: --repeat."""
+    """What is promised, to whom, in numbers (streams showing a photo, rounds: --repeat)."""
     if not adapter.private:
-        return {"private": False, "clip": adapter.clip}
+        return dict(private=False, clip=adapter.clip)
     if adapter.sigma == 0:
-        return {"private": False, "clip_only": True, "note": "clip only, not private",
-                "eps": adapter.eps, "clip": adapter.clip}
+        return dict(private=False, clip_only=True, note="clip only, not private",
+                    eps=adapter.eps, clip=adapter.clip)
     s, d = adapter.sigma / math.sqrt(adapter.releases), adapter.delta  # σ of one step's μ
     unit = "one test image, replace-one neighbours, used in one step"
     if rounds > 1:
-        unit = f"one test image, replace-one neighbours, used in {rounds} steps (one a round)"
+        unit = f"one test image, replace-one neighbours, used in {rounds} steps"
     if adapter.privacy_unit == "photo":
-        unit = f"one photo, replace-one neighbours, in each of its {streams * rounds} streams"
-    return {"private": True, "eps": adapter.eps, "delta": d, "sigma": s, "mu": 2 / s,
-            "clip": adapter.clip, "privacy_unit": adapter.privacy_unit, "unit": unit,
-            "repeats": streams * rounds, "rounds": rounds,  # k steps: μ√k-GDP, i.e. σ/√k
-            "releases": adapter.releases, "sigma_per_release": adapter.sigma,
-            "eps_per_test_image": gdp_epsilon(sigma=s / math.sqrt(rounds), delta=d),
-            "eps_per_underlying_image": gdp_epsilon(sigma=s / math.sqrt(streams * rounds),
-                                                    delta=d)}
+        unit = f"one photo, replace-one neighbours, in its {streams * rounds} streams"
+    k = streams * rounds  # k steps see a photo: μ√k-GDP, i.e. σ/√k
+    return dict(private=True, eps=adapter.eps, delta=d, sigma=s, mu=2 / s, clip=adapter.clip,
+                privacy_unit=adapter.privacy_unit, unit=unit, repeats=k, rounds=rounds,
+                releases=adapter.releases, sigma_per_release=adapter.sigma,
+                eps_per_test_image=gdp_epsilon(sigma=s / math.sqrt(rounds), delta=d),
+                eps_per_underlying_image=gdp_epsilon(sigma=s / math.sqrt(k), delta=d))
+
+def wild(settings):
+    """The wild settings that differ from the paper's, as " | order class | repeat 3"."""
+    plain = dict(order="random", repeat=1, accumulate=1)
+    return "".join(f" | {k} {settings.get(k, v)}" for k, v in plain.items()
+                   if settings.get(k, v) != v)
 
 def print_header(args, adapter, ledger, device, hp_note):
     where = device.type
@@ -1148,12 +1161,9 @@ def print_header(args, adapter, ledger, device, hp_note):
     if args.synthetic:
         print(f"SMOKE RUN: {args.synthetic} random images per corruption, "
               f"{'checkpoint' if args.checkpoint else 'random'} weights: accuracy is chance")
-    wild = [(args.order != "random", f"order {args.order}"),
-            (args.repeat > 1, f"{args.repeat} rounds"),
-            (args.accumulate > 1, f"a step per {args.accumulate} batches")]
     print(f"data: {args.data} | {args.dataset} severity {args.severity} | "
           f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | "
-          f"seed {args.seed}" + "".join(f" | {text}" for on, text in wild if on))
+          f"seed {args.seed}{wild(vars(args))}")
     clip = f"C = {adapter.clip:g} [{hp_note['clip']}]" if adapter.clip else ""
     if args.method == "dp_norm":  # L releases per image: σ_l = √L·σ each
         clip = (f"L = {adapter.releases} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}, "
@@ -1175,9 +1185,8 @@ def print_header(args, adapter, ledger, device, hp_note):
         hp = "".join(f" | {k}={v:g}" for k, v in args.hp.items())
         print(f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting "
               f"{len(adapter.params)} tensors, {n:,} scalars{hp}")
-    if "bn" in ledger:  # which BatchNorm mode ran
-        print(f"BatchNorm: {adapter.bn} (train: the test batch's statistics, as Tent; source: "
-              "frozen at the source's, a per-sample map)")
+    if "bn" in ledger:
+        print(f"BatchNorm: {adapter.bn} (train: the test batch's statistics; source: frozen)")
 
 def _stop(signum, frame):
     STOP.append(signum)
@@ -1187,20 +1196,25 @@ def rate(n, seconds):
     return f"{n / max(seconds, 1e-9):.3g} img/s"
 
 def stop_unless_finite(adapter, where, *tensors):
-    """θ and the given tensors (the logits) hold no NaN or inf (one device sync), or exit 3."""
-    checks = [torch.isfinite(t.detach()).all() for t in (*adapter.params.values(), *tensors)]
+    """θ and the tensors (logits) hold no NaN or inf (one device sync), or exit 3."""
+    tensors = (*adapter.params.values(), *tensors)
+    checks = [torch.isfinite(t.detach()).all() for t in tensors]
     if checks and not torch.stack(checks).all():
         print(f"dptta: error: θ or the logits are not finite after {where} (lr or clip too "
               "large?); stopped, no record of this corruption or run", file=sys.stderr)
         sys.exit(3)
 
-def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every, groups=1):
-    """A stream through the adapter: (correct, scored) per group (a mixed stream's corruptions,
-    which its labels carry; else one), and the unreadable paths."""
-    correct, scored = torch.zeros(2, groups, dtype=torch.long, device=device)  # on the device
+def autocast(args):  # bf16 forward and backward on CUDA (clip, noise, step stay fp32)
+    return torch.autocast(args.device, torch.bfloat16, enabled=args.dtype == "bf16")
+
+def stream_through(adapter, loader, c, *, args, lookup, groups=1):
+    """A stream through the adapter: (correct, scored) per group (a mixed stream's
+    corruptions, carried by its labels; else one) and the unreadable paths."""
+    device = args.device
+    correct, scored = torch.zeros(2, groups, dtype=torch.long, device=device)
     unreadable, t0 = [], time.time()
     for i, (x, y, bad) in enumerate(loader):
-        if STOP:  # a signal that a DataLoader's teardown swallowed: stop all the same
+        if STOP:  # a signal a DataLoader's teardown swallowed: stop all the same
             raise KeyboardInterrupt
         for path in bad:
             print(f"  unreadable, skipped: {path}", flush=True)
@@ -1211,17 +1225,19 @@ def stream_through(adapter, loader, c, *, device, autocast, lookup, log_every, g
         if lookup is not None:  # ImageNet-1k index -> position among the classes scored
             y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
         group = torch.where(y >= 0, y // Mixed.TAG, 0)
-        y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1) never match nor count
-        with autocast:
+        y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1): never scored
+        with autocast(args):
             logits = adapter(x)
-        stop_unless_finite(adapter, f"batch {i + 1} of {c}", logits)  # NaN predicts class 0
+        # NaN logits would predict class 0
+        stop_unless_finite(adapter, f"batch {i + 1} of {c}", logits)
         correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
         scored += torch.bincount(group[y >= 0], minlength=groups)
-        if (i + 1) % log_every == 0:
+        if (i + 1) % args.log_every == 0:
             seen, hits = scored.sum().item(), correct.sum().item()
-            print(f"  {c} {seen}/{len(loader.dataset)} top-1 {100 * hits / max(seen, 1):.1f}% "
+            top1 = 100 * hits / max(seen, 1)
+            print(f"  {c} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% "
                   f"{rate(seen, time.time() - t0)}", flush=True)
-    with autocast:
+    with autocast(args):
         adapter.flush()  # the stream's last, partial accumulate window steps too
     stop_unless_finite(adapter, f"the last step of {c}")
     return correct.tolist(), scored.tolist(), unreadable
@@ -1230,14 +1246,14 @@ def main(argv=None):
     args = parse_args(argv)
     if args.summarize is not None:
         check_common(args, "summarize")
-        return summarize(args.summarize, per_corruption=args.per_corruption, error=args.error)
+        return summarize(args.summarize, args.per_corruption, args.error)
     if args.benchmark:
         return benchmark(args)
     if args.audit:
         return audit_cli(args)
     check_args(args)
     device = torch.device(args.device)
-    tuned_on = {"mixed": "continual"}.get(args.setting, args.setting)  # mixed: one stream
+    tuned_on = {"mixed": "continual"}.get(args.setting, args.setting)
     C, lr, source = paper_hparams(args.method, args.eps, tuned_on, args.clip)
     hp_note = {"clip": "given", "lr": "given"}
     for flag, paper in (("clip", C), ("lr", lr)):
@@ -1245,7 +1261,8 @@ def main(argv=None):
             setattr(args, flag, paper)
             hp_note[flag] = source
     key = run_key(args)
-    state = f"{args.out}.{uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))}.pt"
+    run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
+    state = f"{args.out}.{run_hash}.pt"
     done = args.resume and os.path.exists(args.out) and any(
         r.get("key") == key and r.get("mode") == "adapt" for r in read_jsonl(args.out, "--out"))
     if done:
@@ -1253,7 +1270,7 @@ def main(argv=None):
         return 0
     resume = None
     if args.resume and os.path.exists(state):
-        try:  # what a killed run of this key had finished, and where its noise stood
+        try:  # a killed run's state
             resume = torch.load(state, map_location=device)
         except Exception as e:
             print(f"dptta: warning: {state} is damaged ({one_line(e)}); starting afresh",
@@ -1270,17 +1287,17 @@ def main(argv=None):
     except KeyboardInterrupt:
         signum = (STOP or [signal.SIGINT])[0]
         print(f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are in "
-              f"{args.out}, no final record (--resume goes on after them)", file=sys.stderr)
+              f"{args.out}, no final record (--resume goes on)", file=sys.stderr)
         return 128 + signum
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
 
 def adapt_and_record(args, key, device, hp_note, state, resume=None):
-    """Build (every input opened before the first image), adapt, record: after each corruption
-    its record, then the adapter's state, which --resume goes on from, its noise where it stood."""
+    """Build (every input opened before the first image), adapt, record: after each
+    corruption its record, then the adapter's state for --resume, its noise where it stood."""
     streams = open_streams(args.corruptions, args.data, args.severity)
-    fisher_set = args.fisher_data and open_folder(args.fisher_data)  # None: no Fisher
+    fisher_set = args.fisher_data and open_folder(args.fisher_data)
     model = build_model(args.model, args.checkpoint, random_weights=bool(args.synthetic))
     data_config = timm.data.resolve_data_config({}, model=model)
     transform = timm.data.create_transform(**data_config)
@@ -1288,46 +1305,45 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
         ds.transform = transform
     hp, side = dict(args.hp), min(data_config["input_size"][1:])
     require(hp.get("patch_grid", 1) <= side,
-            f"--hp patch_grid={hp.get('patch_grid')} is more patches than the {side}-pixel image")
+            f"--hp patch_grid={hp.get('patch_grid')}: more patches than {side} pixels")
     has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
-    require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm layer")
+    require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm")
     lookup, logits = None, getattr(model, "num_classes", 0)
-    if args.dataset == "imagenet_r":  # the 1000-way head scored on the classes present (wnids)
+    if args.dataset == "imagenet_r":  # the 1000-way head read at the classes present
         classes = sorted(set(streams["imagenet_r"].imagenet_index))
-        scored = torch.as_tensor(classes, device=device)  # the model's output: those logits
+        scored = torch.as_tensor(classes, device=device)
         model.register_forward_hook(lambda module, inputs, out: out[:, scored])
         lookup, logits = torch.full((1000,), -1, device=device), len(classes)
         lookup[classes] = torch.arange(len(classes), device=device)
     require(hp.get("num_classes", logits) >= logits,
             f"--hp num_classes={hp.get('num_classes')} is below the model's {logits} logits")
     model = model.to(device)
-    if device.type == "cuda" and not hasattr(model, "blocks"):  # conv trunks like channels_last
+    # conv trunks like channels_last
+    if device.type == "cuda" and not hasattr(model, "blocks"):
         model = model.to(memory_format=torch.channels_last)
     fisher_size = hp.pop("fisher_size", 2000)
-    photo = len(streams) if args.privacy_unit == "photo" else 1  # streams showing each unit
+    photo = len(streams) if args.privacy_unit == "photo" else 1
     adapter = or_fail(DPTTA, model, args.method, eps=args.eps, delta=args.delta or 1e-6,
                       privacy_unit=args.privacy_unit, repeats=args.repeat * photo, clip=args.clip,
                       lr=args.lr, seed=args.seed, bn=args.bn or "train",
                       accumulate=args.accumulate, **hp)
-    # bf16 autocast for forward and backward on CUDA (slow on CPU); clip, noise, step in fp32
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.dtype == "bf16")
     if args.fisher_data:
         loader = image_stream(fisher_set, args.batch_size, seed=args.seed, workers=args.workers)
         clean = (x.to(device) for x, _, _ in loader if x is not None)
-        with autocast:
+        with autocast(args):
             adapter.fisher = fisher_information(model, adapter.params, clean, fisher_size)
     elif adapter.base == "eata":
         print(f"note: {args.method} without --fisher-data: no anti-forgetting penalty",
               file=sys.stderr)
     ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat)
     if has_bn:
-        ledger["bn"] = adapter.bn  # which BatchNorm mode ran
+        ledger["bn"] = adapter.bn
     print_header(args, adapter, ledger, device, hp_note)
     n = min(min(len(ds) for ds in streams.values()), args.limit or math.inf)
-    if ledger["private"] and args.delta >= 1 / n:  # δ is a chance of releasing an image outright
-        print(f"dptta: warning: δ = {args.delta:g} is not below 1/n = 1/{n} for a stream of {n} "
-              "images; the usual rule is δ < 1/n (the paper's 1e-6 is)", file=sys.stderr)
-    sources = streams  # the run's units: each corruption (--setting mixed: all at once), a round
+    if ledger["private"] and args.delta >= 1 / n:
+        print(f"dptta: warning: δ = {args.delta:g} is not below 1/n = 1/{n} (n: a stream's "
+              "images), the usual rule", file=sys.stderr)
+    sources = streams  # a run's units: each corruption (mixed: all), each round
     if args.setting == "mixed":
         sources = {"mixed": or_fail(Mixed, streams)}
     # what a killed run resumes from (with the adapter's state, saved after each corruption)
@@ -1337,7 +1353,7 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
         require(resume["key"] == key, f"{state} belongs to another run; remove it")
         adapter.set_extra_state(resume.pop("adapter"))
         run = resume
-        print(f"resumed run {run['run_id']} after {', '.join(run['done'])}, noise where it stood")
+        print(f"resumed run {run['run_id']} after {', '.join(run['done'])}")
     start, drift = time.time() - run["wall"], run["drift"]
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
         label = name if args.repeat == 1 else f"{name}#{r + 1}"
@@ -1349,21 +1365,20 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
                               workers=args.workers, limit=args.limit, order=args.order,
                               pin_memory=device.type == "cuda")
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
-        correct, scored, bad = stream_through(adapter, loader, label, device=device,
-                                              autocast=autocast, lookup=lookup,
-                                              log_every=args.log_every, groups=len(groups))
+        correct, scored, bad = stream_through(adapter, loader, label, args=args,
+                                              lookup=lookup, groups=len(groups))
         run["images"] += sum(scored)
         run["unreadable"] += bad
-        if adapter.params:  # ‖θ − θ0‖, how far θ moved (public: a function of θ)
+        if adapter.params:  # ‖θ − θ0‖, public (a function of θ)
             drift[label] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
                                          for n, p in adapter.params.items()))
         note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
         for c, hits, n in zip(groups, correct, scored):
             run["rounds"][r][c] = top1 = 100 * hits / max(n, 1)
-            append_jsonl(args.out, {"mode": "corruption", "run_id": run["run_id"], "key": key,
-                                    "corruption": c, "round": r + 1, "accuracy": top1,
-                                    "error": 100 - top1, "images": n, "skipped": len(bad),
-                                    "drift": drift.get(label), "smoke": bool(args.synthetic)})
+            append_jsonl(args.out, dict(
+                mode="corruption", run_id=run["run_id"], key=key, corruption=c, round=r + 1,
+                accuracy=top1, error=100 - top1, images=n, skipped=len(bad),
+                drift=drift.get(label), smoke=bool(args.synthetic)))
             print(f"{c:<18} top-1 {top1:5.1f}% | {n} images | {rate(n, time.time() - t0)} | "
                   f"‖θ−θ0‖ {drift.get(label, 0.0):.4f}{note}", flush=True)
         run["done"].append(label)
@@ -1371,16 +1386,16 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
     # the mean over the rounds; each round's own in the record (the forgetting curve)
     accuracy = {c: float(np.mean([acc[c] for acc in run["rounds"]])) for c in streams}
     mean, wall, images = sum(accuracy.values()) / len(accuracy), time.time() - start, run["images"]
-    record = {
-        "mode": "adapt", "run_id": run["run_id"], "key": key, "settings": dict(vars(args)),
-        "method": args.method, "eps": args.eps, "clip": adapter.clip, "lr": adapter.lr,
-        "hp": args.hp, "setting": args.setting, "seed": args.seed, "hparam_source": hp_note,
-        "smoke": bool(args.synthetic), "device": args.device, "dtype": key["dtype"],
-        "versions": {"torch": torch.__version__, "timm": timm.__version__}, "ledger": ledger,
-        "accuracy": accuracy, "error": {c: 100 - a for c, a in accuracy.items()},
-        "drift": drift, "mean": mean, "images": images,
-        "skipped": len(run["unreadable"]), "unreadable": run["unreadable"],
-        "images_per_s": images / wall, "wall_s": wall, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    record = dict(
+        mode="adapt", run_id=run["run_id"], key=key, settings=dict(vars(args)),
+        method=args.method, eps=args.eps, clip=adapter.clip, lr=adapter.lr, hp=args.hp,
+        setting=args.setting, seed=args.seed, hparam_source=hp_note, ledger=ledger,
+        smoke=bool(args.synthetic), device=args.device, dtype=args.dtype,
+        versions={"torch": torch.__version__, "timm": timm.__version__},
+        accuracy=accuracy, error={c: 100 - a for c, a in accuracy.items()}, drift=drift,
+        mean=mean, images=images, skipped=len(run["unreadable"]),
+        unreadable=run["unreadable"], images_per_s=images / wall, wall_s=wall,
+        time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     if args.repeat > 1:
         record["rounds"] = [{"accuracy": acc, "mean": float(np.mean(list(acc.values())))}
                             for acc in run["rounds"]]
@@ -1400,7 +1415,7 @@ def save_state(path, state):
     try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+    except (OSError, RuntimeError) as e:  # torch.save: a full disk is a RuntimeError
         print(f"dptta: warning: cannot save {path} ({one_line(e)}): a rerun would start "
               "afresh (the records, which are what matter, go on)", file=sys.stderr)
 
@@ -1410,10 +1425,10 @@ from scipy import stats
 
 # -- --summarize: the paper's tables from a results file ---------------------
 def variant_of(record):
-    """The table column of a run: non-private, clip-only, ε=inf (dp_, no noise) or ε=<eps>."""
+    """A run's column: non-private, clip-only, ε=inf (dp_, no noise) or ε=<eps>."""
     if not record["method"].startswith("dp_"):
         return "clip-only" if record["clip"] else "non-private"
-    column = f"ε={float(record['eps']):g}"  # "inf" in the file (JSON has no Infinity): ε=inf
+    column = f"ε={float(record['eps']):g}"  # "inf" in the file: ε=inf
     if record["key"].get("privacy_unit", "image") == "photo":
         column += " photo"
     return column
@@ -1424,16 +1439,18 @@ def cell(values, error):
     return f"{np.mean(v):.1f}{spread} (n={len(v)})"
 
 def summarize(path, per_corruption=False, error=False):
-    """Tables of complete runs: methods × variants, mean ± sample std over seeds (n shown) of
-    runs alike but for the seed; smoke, --limit and unfinished runs apart, never averaged in."""
+    """Tables of complete runs, methods × variants: mean ± sample std over seeds (n shown) of
+    runs alike but for the seed; smoke, --limit and unfinished runs apart, never averaged."""
     records = read_jsonl(path, "--summarize")
     finals = [r for r in records if r.get("mode") == "adapt" and "key" in r]
-    done_keys = [r["key"] for r in finals]  # a dead run whose cell was rerun to the end: done
+    done = [r["key"] for r in finals]  # a dead run whose cell was rerun to the end: done
     unfinished = {}  # run_id -> the corruption records of a run with no final record
-    for r in (r for r in records if r.get("mode") == "corruption" and r["key"] not in done_keys):
-        unfinished.setdefault(r["run_id"], []).append(r)
+    for r in records:
+        if r.get("mode") == "corruption" and r["key"] not in done:
+            unfinished.setdefault(r["run_id"], []).append(r)
     full = [r for r in finals if not r.get("smoke") and r["key"].get("limit") is None]
-    tables, duplicates = {}, 0  # table -> cell (the key but the seed) -> {seed: latest record}
+    # table -> cell (the key but the seed) -> {seed: latest record}
+    tables, duplicates = {}, 0
     per_variant = ("method", "eps", "clip", "lr", "hp", "privacy_unit", "seed")
     for r in full:
         key, seed = r["key"], r["key"]["seed"]
@@ -1448,10 +1465,8 @@ def summarize(path, per_corruption=False, error=False):
         k, entries = json.loads(table), []
         for runs in (list(group.values()) for group in cells.values()):
             entries.append((runs[0]["method"].removeprefix("dp_"), variant_of(runs[0]), runs))
-        wild = "".join(f" | {name} {k[name]}" for name, plain in (
-            ("order", "random"), ("repeat", 1), ("accumulate", 1)) if k.get(name, plain) != plain)
         print(f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | "
-              f"batch {k['batch_size']}{wild} | {len(k['corruptions'])} corruptions | "
+              f"batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions | "
               f"mean {what} over seeds")
         present = {v for _, v, _ in entries}
         columns = [c for c in order if c in present] + sorted(present - set(order))
@@ -1511,24 +1526,24 @@ def benchmark(args):
     data_config = timm.data.resolve_data_config({}, model=model)
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(B * acc, *data_config["input_size"], generator=gen).to(device)
-    wide_open = dict(WIDE_OPEN, lr=1e-5, bn=args.bn or "train")  # random weights: full steps
+    # random weights: full steps
+    wide_open = dict(WIDE_OPEN, lr=1e-5, bn=args.bn or "train")
     dp = dict(clip=1.0, eps=5.0)
-    specs = {"source": ("source", {})}  # row -> (method, its arguments)
+    specs = dict(source=("source", {}))  # row -> (method, its arguments)
     for b in BASES:
-        specs.update({b: (b, {}), f"{b} clip": (b, {"clip": 1.0}), f"dp_{b}": (f"dp_{b}", dp)})
+        specs.update({b: (b, {}), f"{b} clip": (b, dict(clip=1.0)), f"dp_{b}": (f"dp_{b}", dp)})
         if acc > 1:
             specs[f"dp_{b} {B}x{acc}"] = (f"dp_{b}", dict(dp, accumulate=acc))
-    if any(isinstance(m, BATCH_NORM) for m in model.modules()):  # statistics, no step
-        specs.update(norm=("norm", {"bn": "train"}), dp_norm=("dp_norm", {"eps": 5, "bn": "train"}))
+    if any(isinstance(m, BATCH_NORM) for m in model.modules()):
+        specs.update(norm=("norm", dict(bn="train")), dp_norm=("dp_norm", dict(eps=5, bn="train")))
     try:  # each its own copy of the model: adapters never share θ
         variants = {k: DPTTA(copy.deepcopy(model), method, **{**wide_open, **kwargs})
                     for k, (method, kwargs) in specs.items()}
-    except ValueError as e:  # BatchNorm: no per-sample gradients
+    except ValueError as e:
         fail(f"--benchmark --model {name}: {e}")
-    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.dtype == "bf16")
 
-    def step(a):  # one window's images, as a batch or (accumulate) one batch of B at a time
-        with autocast:
+    def step(a):  # a window: one batch, or (accumulate) a batch of B at a time
+        with autocast(args):
             for xb in x.split(len(x) // a.accumulate):
                 a(xb)
         if cuda:
@@ -1540,7 +1555,8 @@ def benchmark(args):
             torch.cuda.reset_peak_memory_stats()
         step(a)
         peak[k] = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else math.nan
-    for _ in range(args.rounds):  # interleaved: drift of the machine hits every variant alike
+    # interleaved: drift of the machine hits every variant alike
+    for _ in range(args.rounds):
         for k, a in variants.items():
             t = time.perf_counter()
             step(a)
@@ -1548,13 +1564,13 @@ def benchmark(args):
     fallbacks = sum(VMAP_FALLBACKS.values()) - fallbacks
     for k, a in variants.items():  # a NaN would have timed NaN steps
         stop_unless_finite(a, f"--benchmark's {k} steps")
-    n = B * acc  # images per timed step (a whole window with accumulate)
-    print(f"benchmark | {name} | batch {n}" + (f" (rows 'dp_<m> {B}x{acc}': batch {B}, a step "
-          f"per {acc} batches)" if acc > 1 else "") + f" | {device.type} | "
-          f"{args.dtype} | median of {args.rounds} interleaved rounds")
+    n = B * acc
+    print(f"benchmark | {name} | batch {n} | {device.type} | {args.dtype} | median of "
+          f"{args.rounds} interleaved rounds")
+    rows_acc = f"; {B}x{acc}: a step per {acc} batches of {B}" if acc > 1 else ""
     print(f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}"
-          f"{'per-sample g MiB':>18}   (peak: CUDA max allocated; ratio: / the plain method, "
-          f"{B}x{acc}: / batch {n})")
+          f"{'per-sample g MiB':>18}   (ratio: / the plain method{rows_acc}; peak: CUDA max "
+          "allocated)")
     rows = []
     for k, a in variants.items():
         ms = 1000 * float(np.median(times[k]))
@@ -1562,12 +1578,12 @@ def benchmark(args):
         plain = 1000 * float(np.median(times[ref]))
         # the per-sample gradients themselves: B × adapted scalars, fp32
         psg = n * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20 if a.clip else 0.0
-        rows.append({"variant": k, "ms": ms, "images_per_s": 1000 * n / ms, "ratio": ms / plain,
-                     "peak_mib": peak[k], "per_sample_grad_mib": psg})
+        rows.append(dict(variant=k, ms=ms, images_per_s=1000 * n / ms, ratio=ms / plain,
+                         peak_mib=peak[k], per_sample_grad_mib=psg))
         print(f"{k:<16}{ms:>10.1f}{1000 * n / ms:>9.1f}{ms / plain:>8.2f}"
               f"{'-' if math.isnan(peak[k]) else f'{peak[k]:.1f}':>10}{psg:>18.2f}")
     ops = f": {', '.join(VMAP_FALLBACKS)}" if fallbacks else ""
-    print(f"vmap fallbacks: {fallbacks} (passes that ran an op once per sample; must be 0){ops}")
+    print(f"vmap fallbacks: {fallbacks} (passes looping over samples; must be 0){ops}")
     with tempfile.TemporaryDirectory(prefix="dptta-bench-") as tree:
         make_synthetic_tree(tree, ["gaussian_noise"], 5, 4 * B, size=375)
         ds = WnidFolder(os.path.join(tree, "gaussian_noise", "5"),
@@ -1575,57 +1591,59 @@ def benchmark(args):
         loader = image_stream(ds, B, seed=args.seed, workers=args.workers, pin_memory=cuda)
         t = time.perf_counter()
         loader_rate = sum(len(xb) for xb, _, _ in loader) / (time.perf_counter() - t)
-    print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG decode + timm transform, "
-          f"{args.workers} workers); the slowest step above needs "
-          f"{max(r['images_per_s'] for r in rows[1:]):.0f} img/s at most")
-    append_jsonl(args.out, {"mode": "benchmark", "model": name, "batch": B, "device": device.type,
-                            "dtype": args.dtype, "rounds": args.rounds, "rows": rows,
-                            "vmap_fallbacks": fallbacks, "loader_images_per_s": loader_rate,
-                            "versions": {"torch": torch.__version__}})
+    need_rate = max(r["images_per_s"] for r in rows[1:])
+    print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG, timm transform, {args.workers} "
+          f"workers); the slowest step above needs {need_rate:.0f} img/s at most")
+    append_jsonl(args.out, dict(
+        mode="benchmark", model=name, batch=B, device=device.type, dtype=args.dtype,
+        rounds=args.rounds, rows=rows, vmap_fallbacks=fallbacks,
+        loader_images_per_s=loader_rate, versions={"torch": torch.__version__}))
     print(f"appended to {args.out}")
     return 0
 
 # -- --audit: an empirical lower bound on ε from a distinguishing game -------
 def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
-    """ε_lb from the two worlds' test statistics (large: "canary in"): a threshold chosen on half
+    """ε_lb from the worlds' test statistics (large: "canary in"): a threshold chosen on half
     the trials, its error rates on the other half bounded by Clopper-Pearson (each at (1 −
-    confidence)/2). gaussian (Nasr et al. 2023): μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR) bounds μ for a
-    Gaussian trade-off curve (as here), ε_lb = ε of μ_lb-GDP at δ. Else (Kairouz et al. 2015),
-    distribution-free, weak: ε_lb = log((1 − δ − FNR)/FPR), and with the roles swapped."""
+    confidence)/2). gaussian (Nasr et al. 2023): μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR) bounds μ of
+    a Gaussian trade-off curve, ε_lb = ε of μ_lb-GDP at δ; else (Kairouz et al. 2015), weak:
+    ε_lb = log((1 − δ − FNR)/FPR), and with the roles swapped."""
     s_in, s_out = np.asarray(s_in, float), np.asarray(s_out, float)
     h, alpha = min(len(s_in), len(s_out)) // 2, (1 - confidence) / 2
 
-    def upper(errors):  # Clopper-Pearson upper bound on an error rate
+    def upper(errors):
         return stats.beta.ppf(1 - alpha, errors + 1, h - errors) if errors < h else 1.0
 
-    def bound_at(t, part):  # the bound of the threshold t on half `part` of the trials
+    def bound_at(t, part):
         fpr, fnr = upper((s_out[part] > t).sum()), upper((s_in[part] <= t).sum())
         if gaussian:  # μ_lb of the Gaussian trade-off curve through (FPR, FNR)
             return stats.norm.ppf(1 - fpr) - stats.norm.ppf(fnr)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return max(0.0, np.log((1 - delta - fnr) / fpr), np.log((1 - delta - fpr) / fnr))
+            ratios = ((1 - delta - fnr) / fpr, (1 - delta - fpr) / fnr)
+            return max(0.0, *np.log(ratios))
 
     # thresholds at false positive rates from 1/2 down to ~10/h; the best *bounded* on half 1
     cuts = np.quantile(s_out[:h], 1 - np.geomspace(0.5, min(0.5, 10 / h), 80))
     best = max(cuts, key=lambda t: bound_at(t, slice(0, h)))
     lb = bound_at(best, slice(h, 2 * h))
-    if gaussian:  # ε of μ_lb-GDP, μ = 2/σ
+    if gaussian:
         return gdp_epsilon(sigma=2 / lb, delta=delta) if lb > 0 else 0.0
     return lb
 
 def flat_sample_grads(adapter, x):
-    """What the adapter clips, a row per sample: g_i at θ (dp_norm: its first layer's moments)."""
+    """What the adapter clips, a row per sample: g_i at θ (dp_norm: 1st layer's moments)."""
     if adapter.method == "dp_norm":
         name = next(iter(adapter.bn_src))
         bn, seen = adapter.model.get_submodule(name), []
         with torch.no_grad(), bn.register_forward_pre_hook(lambda m, a: seen.append(a[0])):
             adapter.model(x)
         return bn_moments(seen[0], *adapter.bn_src[name], bn.eps)
-    g, _ = per_sample_grads(adapter.model, adapter.params, adapter.loss, x, adapter.context(x))
+    a = adapter
+    g, _ = per_sample_grads(a.model, a.params, a.loss, x, a.context(x))
     return torch.cat([t.flatten(1).float() for t in g.values()], 1)
 
 def clip_of(adapter, width):
-    """The clip norm of what the adapter clips (dp_norm: scale·√(2C) for 2C moments; none: inf)."""
+    """The adapter's clip norm (dp_norm: scale·√(2C) for 2C moments; no clip: inf)."""
     if adapter.method == "dp_norm":
         return adapter.hp["bn_scale"] * math.sqrt(width)
     return adapter.clip or math.inf
@@ -1656,11 +1674,11 @@ def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
 
 @contextlib.contextmanager
 def replayed_per_sample_pass(adapter):
-    """The end-to-end trials all step from θ0 on the same two batches: each batch's per-sample
-    pass (and DeYO's shuffled view) runs once, replayed; clip, noise and step run every trial."""
+    """End-to-end trials step from θ0 on the same two batches: each one's per-sample pass
+    (and DeYO's shuffled view) runs once, replayed; clip, noise, step run every trial."""
     memo, real, context = {}, per_sample_grads, adapter.context
 
-    def once(fn, x, *args, **kwargs):  # fn(*args, **kwargs) on the batch x: computed once
+    def once(fn, x, *args, **kwargs):
         key = (fn, x.data_ptr(), tuple(x.shape))
         if key not in memo:
             memo[key] = fn(*args, **kwargs)
@@ -1700,12 +1718,13 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
                                   None)["θ"] for img in (canary, replacement)]
         d = clipped[0] - clipped[1]
 
-        def release(world):  # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
+        # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
+        def release(world):
             a.reset()
             a(world)
             return torch.cat([((a.theta0[n] - p.detach()) / a.lr).flatten()
                               for n, p in a.params.items()])
-    with replayed_per_sample_pass(a):  # end to end: each batch's per-sample pass runs once
+    with replayed_per_sample_pass(a):
         scores = [[release(w) for w in worlds] for _ in range(trials)]  # [trial][world]
     a.reset()
     s_in, s_out = ((torch.stack(s).double() @ d.double()).cpu().numpy() for s in zip(*scores))
@@ -1714,16 +1733,17 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
 def audit_cli(args):
     """White-box and end-to-end ε_lb of --method at --eps on a small ViT (norm: a BN CNN)."""
     check_common(args, "audit")
-    require(args.model is None, "--audit plays on its own small model; --model does not apply")
+    require(args.model is None, "--audit has its own small model; --model does not apply")
     check_out(args, "results-audit.jsonl")
     private, norm = args.method.startswith("dp_"), args.method in NORM_METHODS
     require(args.eps is None or private, f"--eps applies to dp_ methods only, not {args.method}")
     require(args.method != "source", "--audit: source releases nothing; pick a method")
     args.delta, eps, kwargs = args.delta or 1e-6, args.eps, {}
-    if private:  # ε (default 5) at δ
+    if private:
         eps = args.eps or 5.0
         kwargs = dict(eps=eps, delta=args.delta)
-    claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
+    # the originals and ε = inf: no noise, no claim
+    claim = private and math.isfinite(eps)
     torch.manual_seed(args.seed)
     if norm:
         model = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(),
@@ -1732,21 +1752,22 @@ def audit_cli(args):
         model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
                                   patch_size=8, depth=2, embed_dim=32, num_heads=2, num_classes=10)
         kwargs.update(lr=args.lr or 0.1, clip=args.clip or (1.0 if private else None))
-        if not private:  # the originals' filters opened (every sample kept): the canary counts
+        if not private:  # the originals' filters open: the canary is kept
             kwargs.update(WIDE_OPEN)
     a = or_fail(DPTTA, model.eval(), args.method, seed=args.seed, **kwargs)
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(args.seed))
     t0 = time.time()
     games = [("white-box ", audit(a, x, trials=args.trials, seed=args.seed), args.trials,
               time.time() - t0, "")]
-    if not norm:  # end to end: a crafted image pair, C below both gradients (both clipped)
+    # end to end: a crafted image pair, C below both gradients (both clipped)
+    if not norm:
         t0, pair = time.time(), craft_canaries(a, (3, 32, 32), seed=args.seed)
-        if a.clip is not None and args.clip is None:  # well below both, whatever DeYO's
-            # shuffle: the game is the same at any C below, and a skipped clip then shows
+        if a.clip is not None and args.clip is None:
+            # C well below both, whatever DeYO's shuffle: a skipped clip would show
             a.clip = 0.25 * torch.cat([flat_sample_grads(a, pair) for _ in range(8)]).norm(
                 dim=1).min().item()
         g, note = flat_sample_grads(a, pair), "; no clip"
-        if a.clip:  # g_i·min(1, C/‖g_i‖): how far apart the two worlds' clipped gradients are
+        if a.clip:  # g_i·min(1, C/‖g_i‖)
             g = g * (a.clip / g.norm(dim=1, keepdim=True)).clamp(max=1)
             note = f"; the crafted pair is {(g[0] - g[1]).norm() / (2 * a.clip):.2f}·2C apart"
             note += f", C = {a.clip:.3g}"
@@ -1755,24 +1776,24 @@ def audit_cli(args):
     print(f"audit | {args.method} | " + (f"claimed ε = {eps:g} at δ = {args.delta:g}, σ = "
           f"{a.sigma:.4f}" if claim else "NOT PRIVATE: no noise, no claim"))
     for name, lb, n, seconds, note in games:
-        top = epsilon_lower_bound(np.ones(n), np.zeros(n), args.delta)  # no error in n trials
+        top = epsilon_lower_bound(np.ones(n), np.zeros(n), args.delta)
         limited = f" (≥: limited by {n} trials, never confused)" if lb >= top - 1e-9 else ""
         ratio = f", ε_lb/ε = {lb / eps:.2f}" if claim else ""
         print(f"{name}: ε_lb = {lb:.3f} at 95% confidence{limited}{ratio}; {n} trials per "
               f"world, {seconds:.0f} s{note}")
     if not claim:
         print(f"{args.method} is not private: its releases tell the two worlds apart")
-    print("ε_lb via μ-GDP (Nasr et al. 2023): assumes a Gaussian trade-off curve. A lower "
-          "bound: exceeding the claim shows a bug; staying below it proves nothing")
+    print("ε_lb via μ-GDP (Nasr et al. 2023; a Gaussian trade-off curve): above the claim "
+          "shows a bug; below it proves nothing")
     held = not claim or all(lb <= eps for _, lb, *_ in games)
-    append_jsonl(args.out, {"mode": "audit", "method": args.method, "eps": eps, "delta": args.delta,
-                            "sigma": a.sigma, "private": claim, "clip": a.clip, "claim_held": held,
-                            "games": {name.strip(): {"eps_lb": lb, "trials": n, "seconds": s}
-                                      for name, lb, n, s, _ in games}})
+    games = {name.strip(): dict(eps_lb=lb, trials=n, seconds=s) for name, lb, n, s, _ in games}
+    append_jsonl(args.out, dict(mode="audit", method=args.method, eps=eps, delta=args.delta,
+                                sigma=a.sigma, private=claim, clip=a.clip, claim_held=held,
+                                games=games))
     return int(not held)  # 1: a lower bound above the claim
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # during start-up, before the run's own handlers: nothing written
+    except KeyboardInterrupt:  # at start-up, before the run's handlers: nothing written
         sys.exit(130)
