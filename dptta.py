@@ -860,8 +860,8 @@ def parse_args(argv=None):
     g("--eps", type=float, help="ε of a dp_ method; inf: clip only (default 5)")
     g("--delta", type=float, help="δ of a dp_ method (default 1e-6)")
     g("--privacy-unit", default="image", choices=("image", "photo"), help="photo: σ·√streams")
-    g("--clip", type=float, help="per-sample clip C; an original: clip-only")
-    g("--lr", type=float, help="SGD-momentum learning rate")
+    g("--clip", type=float, help="per-sample clip C (default: the paper's); an original: clip-only")
+    g("--lr", type=float, help="SGD-momentum learning rate (default: the paper's)")
     g("--hp", action="append", default=[], metavar="NAME=VALUE",
       help=f"a method constant: {', '.join(HP_TYPES)}")
     g = ap.add_argument_group("data").add_argument
@@ -876,11 +876,12 @@ def parse_args(argv=None):
     g = ap.add_argument_group("model").add_argument
     g("--model", help=f"timm name (default {DEFAULT_MODEL})")
     g("--checkpoint", help="local weights for --model")
-    g("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    g("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if any")
     g("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast on CUDA")
     g("--bn", choices=("train", "source"), help="BatchNorm: test batch or source statistics")
     g = ap.add_argument_group("run").add_argument
-    g("--setting", default="continual", choices=("continual", "episodic", "mixed"))
+    g("--setting", default="continual", choices=("continual", "episodic", "mixed"),
+      help="episodic: reset before each corruption; mixed: all in one stream")
     g("--order", default="random", help="random, class or dirichlet:ALPHA")
     g("--repeat", type=int, default=1, help="stream the corruptions N times")
     g("--accumulate", type=int, default=1, help="a step per K batches")
