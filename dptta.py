@@ -27,13 +27,13 @@ from scipy import optimize, special
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-def need(ok, problem):  # an argument check: the first that fails raises, in one line
+def need(ok, problem):  # an argument check: raises, in one line
     if not ok:
         raise ValueError(problem)
 
 # -- Privacy accounting: one pass, μ-GDP with μ = 2/σ ------------------------
-def _check_privacy(eps=None, delta=None, sigma=None):  # NaN fails every comparison: refused
-    need(eps is None or eps > 0, f"eps must be > 0 (inf: clip only, no noise), got {eps}")
+def _check_privacy(eps=None, delta=None, sigma=None):  # NaN: refused
+    need(eps is None or eps > 0, f"eps must be > 0 (inf: no noise), got {eps}")
     need(delta is None or 0 < delta < 1, f"delta must be in (0, 1), got {delta}")
     need(sigma is None or sigma >= 0, f"sigma must be >= 0, got {sigma}")
 
@@ -44,18 +44,18 @@ def _log_gdp_delta(eps, sigma):
     x = -eps / mu + mu / 2
     log_phi = special.log_ndtr(x)
     D = log_phi - eps - special.log_ndtr(x - mu)
-    if D < 0.1:  # the two terms nearly cancel (large σ, small ε): D = ∫_{x−μ}^{x} (φ/Φ(u) + u) du
+    if D < 0.1:  # near cancellation (large σ): D = ∫_{x−μ}^{x} (φ/Φ(u) + u) du
         nodes, weights = np.polynomial.legendre.leggauss(16)  # exact to rounding
         u = x - mu / 2 + nodes * mu / 2
         hazard = np.exp(-u ** 2 / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))
         D = mu / 2 * np.sum(weights * (hazard + u))
-    if not D > 0:  # rounding, only where Φ(x) < 1e-300: δ <= Φ(x) is the safe side
+    if not D > 0:  # rounding, only at Φ(x) < 1e-300: δ <= Φ(x), the safe side
         return log_phi
     return log_phi + np.log(-np.expm1(-D))
 
 def gdp_delta(*, eps, sigma):
-    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ): noise σC on a sum of sensitivity 2C is μ-GDP,
-    μ = 2/σ (Dong, Roth & Su 2022, Cor. 2.13); a stream shows each image in one step."""
+    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ): a sum of sensitivity 2C
+    with noise σC is (2/σ)-GDP (Dong, Roth & Su 2022, Cor. 2.13)."""
     _check_privacy(eps=eps, sigma=sigma)
     if sigma == 0:
         return 1.0
@@ -64,7 +64,7 @@ def gdp_delta(*, eps, sigma):
     return float(np.exp(_log_gdp_delta(eps, sigma)))
 
 def _root(f, lo, hi):
-    """The smallest x with f(x) <= 0, f decreasing: bracket, brentq, never a hair short."""
+    """The smallest x with f(x) <= 0, f decreasing; never a hair short."""
     while f(lo) < 0:
         lo /= 2
     while f(hi) > 0:
@@ -75,12 +75,12 @@ def _root(f, lo, hi):
     return float(x)
 
 def calibrate_sigma(*, eps, delta, repeats=1):
-    """The smallest σ with gdp_delta(eps, σ/√repeats) <= delta (k = repeats releases of
-    (2/σ)-GDP are (2√k/σ)-GDP, Dong, Roth & Su, Cor. 3.3); 0.0 for eps = inf."""
+    """The smallest σ with gdp_delta(eps, σ/√k) <= delta, k = repeats: k
+    (2/σ)-GDP releases are (2√k/σ)-GDP (ibid., Cor. 3.3). eps = inf: 0."""
     _check_privacy(eps=eps, delta=delta)
     if math.isinf(eps):
         return 0.0
-    # f = δ(σ)/δ − 1, exp'd as in gdp_delta: gdp_delta(eps, σ) <= delta exactly
+    # f = δ(σ)/δ − 1, computed as gdp_delta computes it: exactly <= delta
     sigma = _root(lambda s: np.exp(_log_gdp_delta(eps, s)) / delta - 1, 0.1, 1.0)
     return sigma * math.sqrt(repeats)
 
@@ -99,9 +99,9 @@ NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM)  # timm's LayerNorm2d too (Conv
 VMAP_FALLBACKS = {}  # op -> passes in which vmap ran it once per sample
 
 def _trunk_cut(model):
-    """Where the trunk's top starts: a `blocks` list's last 3 (timm's ViT, DeiT, BEiT, EVA,
-    CaiT, XCiT), a `stages` list's last (ConvNeXt, Swin, PVT), ResNet's last layerN. Any
-    other model (torchvision's, Hugging Face's): None, and SAR and DeYO adapt all norms."""
+    """Where the trunk's top starts: the last 3 of `blocks` (timm's ViT,
+    DeiT, BEiT, EVA, CaiT, XCiT), the last of `stages` (ConvNeXt, Swin,
+    PVT), ResNet's last layerN; others: None (SAR, DeYO adapt all norms)."""
     layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -114,8 +114,8 @@ def _trunk_cut(model):
     return max(layers)[1] if len(layers) > 1 else None
 
 def adaptable_params(model, *, skip_top=False, private=True):
-    """{name: a norm layer's affine parameter}; skip_top (SAR, DeYO): below the trunk's top
-    only (ViT-B/16: blocks 0-8); private: BatchNorm refused (bn="source": private=False)."""
+    """{name: a norm layer's affine parameter}; skip_top (SAR, DeYO): below
+    the top only (ViT-B/16: blocks 0-8); private: BatchNorm refused."""
     bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)][:1]
     need(not (private and bn), f"BatchNorm ({', '.join(bn)}, ...) mixes the samples of a "
          'batch: no per-sample gradients (dp_, clip); bn="source" keeps its statistics')
@@ -125,14 +125,14 @@ def adaptable_params(model, *, skip_top=False, private=True):
             break
         if isinstance(m, NORMS):
             params.update({f"{name}.{k}": p for k, p in m.named_parameters(recurse=False)})
-    need(params, "the model has no normalization-layer affine parameters to adapt")
+    need(params, "the model has no norm-layer affine parameters to adapt")
     return params
 
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
-    """({name: g [B, *shape]}, logits), g_i = ∇θ loss_fn(f_θ(x_i), ctx_i); loss_fn: (logits
-    [N, K], ctx [N, ...] or None) -> [N]. Sample i: its own view θ_i of θ, a vmapped forward of
-    x_i alone; ONE backward of Σ_j ℓ_j gives each θ_i its g_i, each kernel run once on the batch
-    (vmap(grad(ℓ)) would loop: fused attention's backward has no vmap rule)."""
+    """({name: g [B, *shape]}, logits), g_i = ∇θ loss_fn(f_θ(x_i), ctx_i);
+    loss_fn: (logits [N, K], ctx [N, ...] or None) -> [N]. x_i gets its own
+    view θ_i of θ, a vmapped forward; ONE backward of Σ_j ℓ_j gives each θ_i
+    its g_i (vmap(grad) would loop: fused attention's backward has no rule)."""
     coupled = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM) and m.training]
     need(not coupled, f"BatchNorm {', '.join(coupled)} in train mode: no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
@@ -142,9 +142,9 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
         logits = logits_of(functional_call(model, (theta_i, frozen), (xi[None],)))
         return loss_fn(logits, None if ctx is None else ci[None])[0], logits[0]
 
-    def batched_pass():  # the batch on GPU, 8 on CPU (ViT-S/16: 0.96x Tent; 32: 1.42x)
+    def batched_pass():  # GPU: the batch; CPU: 8 (ViT-S: 0.96x Tent, 32: 1.42x)
         grads, logits, step = [], [], chunk_size or {"cpu": 8}.get(x.device.type, len(x))
-        ctxs = x.new_zeros(len(x), 0) if ctx is None else ctx  # none: an empty one for vmap
+        ctxs = x.new_zeros(len(x), 0) if ctx is None else ctx  # vmap needs one
         for xs, cs in zip(x.split(step), ctxs.split(step)):
             # [b, *shape] views of θ: 38k scalars a sample for ViT-B/16, nothing copied
             theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
@@ -155,29 +155,29 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
             logits.append(z.detach())
         return {n: torch.cat(g) for n, g in zip(params, zip(*grads))}, torch.cat(logits)
 
-    with contextlib.ExitStack() as stack:  # ops with no vmap rule, swapped for exact ones
-        if x.device.type == "cpu":  # CPU's fused attention (CUDA's kernels batch)
+    with contextlib.ExitStack() as stack:  # ops with no vmap rule: exact swaps
+        if x.device.type == "cpu":  # fused attention (CUDA's kernels batch)
             stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        mha = torch.backends.mha  # nn.MultiheadAttention's eval fast path: no derivative
+        mha = torch.backends.mha  # nn.MultiheadAttention's eval path: no grad
         stack.callback(mha.set_fastpath_enabled, mha.get_fastpath_enabled())
         mha.set_fastpath_enabled(False)
-        for m in model.modules():  # adaptive pooling's channels-last as_strided_
+        for m in model.modules():  # adaptive pooling's as_strided_
             if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
                 stack.enter_context(m.register_forward_pre_hook(lambda _, a: a[0].contiguous()))
         return _without_fallback(batched_pass)
 
 def logits_of(out):
-    """A model's logits [B, K]: its output, or its .logits / ["logits"] (Hugging Face)."""
+    """Logits [B, K]: the output, its .logits or ["logits"] (Hugging Face)."""
     z = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", out)
     if not isinstance(z, torch.Tensor):
         raise TypeError(f"the model returned a {type(out).__name__}; DPTTA needs logits "
-                        "[B, K], as a tensor or an output's .logits or ['logits']")
+                        "[B, K]: a tensor, .logits or ['logits']")
     return z
 
 def _without_fallback(fn):
-    """fn() with vmap's per-sample fallback an error; an op that needs it is warned about once,
-    counted and run with it (exact, slow) unless the caller had it off. The switch is private
-    torch API: a torch without it runs fn() all the same, exact, and says so."""
+    """fn() with vmap's per-sample fallback an error; an op that needs it is
+    warned about, counted and rerun with it (exact, slow) unless the caller
+    had it off. A torch without this private switch runs fn(), and says so."""
     functorch = getattr(torch._C, "_functorch", None)
     if not hasattr(functorch, "_set_vmap_fallback_enabled"):
         warnings.warn("this torch cannot switch vmap's fallback off: no loop certified")
@@ -193,8 +193,8 @@ def _without_fallback(fn):
     finally:
         functorch._set_vmap_fallback_enabled(allowed)
     if op[1] not in VMAP_FALLBACKS:
-        warnings.warn(f"per_sample_grads: {op[1]} has no vmap rule and runs once per sample "
-                      "(exact, slow); use another op (timm: fused_attn=False)", stacklevel=3)
+        warnings.warn(f"{op[1]} has no vmap rule: it runs once per sample (exact, slow); "
+                      "timm: fused_attn=False", stacklevel=3)
     VMAP_FALLBACKS[op[1]] = VMAP_FALLBACKS.get(op[1], 0) + 1
     return fn()
 
@@ -202,9 +202,9 @@ def at_least_fp32(t):  # bf16/fp16 -> fp32; fp32 and fp64 as they are
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
-    """Δ = (Σ_i g_i·min(1, C/‖g_i‖₂) + N(0, σ²C²I)) / B, one norm over all tensors: noise for
-    the *sum* (sensitivity 2C), then / B; in fp32 or better (a bf16 factor can push a norm over
-    C). A non-finite g_i counts as 0 (decided on i alone) and in tally["nonfinite"]."""
+    """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, ‖·‖ over all tensors,
+    in fp32 or better (bf16 can push a norm over C); a non-finite g_i counts
+    as 0 (decided on i alone) and in tally["nonfinite"]."""
     g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
     finite = torch.isfinite(norms)
@@ -216,7 +216,7 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
         shape = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector broadcast over t
         # a non-finite g_i is selected away, not scaled by 0: NaN·0 is NaN
         total = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
-        if sigma > 0:  # fresh noise for every tensor, N(0, σ²C²) per coordinate
+        if sigma > 0:  # fresh N(0, σ²C²) for every coordinate
             noise = torch.empty_like(total).normal_(generator=generator)
             total = total + sigma * clip * noise
         out[name] = total / len(t)  # / B
@@ -234,7 +234,7 @@ def come_entropy(logits, num_classes=None):
     z = at_least_fp32(logits)
     # z ← z/‖z‖·stopgrad(‖z‖): same value, no gradient along z (no logit-norm inflation)
     norm = z.norm(dim=-1, keepdim=True)
-    z = z / norm.clamp(min=1e-12) * norm.detach()  # clamp: all-zero logits stay 0, not NaN
+    z = z / norm.clamp(min=1e-12) * norm.detach()  # zero logits: 0, not NaN
     # b = e^z / (Σ e^z + K), u = K / (Σ e^z + K)  ⇔  [b, u] = softmax([z, ln K])
     log_k = torch.full_like(z[..., :1], math.log(num_classes or z.shape[-1]))
     q = torch.cat([z, log_k], -1).softmax(-1) + 1e-7
@@ -248,7 +248,7 @@ def plpd(logits, shuffled_probs):
 
 def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.4,
                         num_classes=None):
-    """EATA: exp(E0 − H)·H; DeYO (given shuffled probs): (exp(E0 − H) + exp(PLPD))·H."""
+    """EATA: exp(E0 − H)·H; DeYO (shuffled probs): (exp(E0 − H) + e^PLPD)·H."""
     H = ent(logits)
     # w = exp(E0 − H), E0 = e_margin·ln K, a constant weight (detached)
     w = torch.exp(e_margin * math.log(num_classes or logits.shape[-1]) - H.detach())
@@ -257,8 +257,8 @@ def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.
     return w * H
 
 def patch_shuffle(x, grid, generator):
-    """x′: each image cut into grid×grid patches, shuffled with its own permutation.
-    Pixels beyond the last full patch (H or W not divisible by grid) stay in place."""
+    """x′: each image cut into grid×grid patches, shuffled by a permutation
+    of its own; pixels past the last full patch stay in place."""
     h, w = x.shape[-2] // grid, x.shape[-1] // grid  # one patch
     H, W = h * grid, w * grid  # the part cut into patches
     patches = F.unfold(x[..., :H, :W], (h, w), stride=(h, w))  # [B, ch·h·w, grid²]
@@ -269,9 +269,9 @@ def patch_shuffle(x, grid, generator):
     return out
 
 def bn_moments(x, mean, var, eps):
-    """DP-Norm's per-sample view of a BatchNorm input x [B, C, ...]: v_i = (mean z, mean z² − 1),
-    z = (x − μ_src)/√(var_src + eps): 0 at the public source, so a clip shrinks toward it."""
-    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, C, H·W] (BatchNorm1d: H·W = 1)
+    """dp_norm's v_i of BN's input x [B, C, ...]: (mean z, mean z² − 1), z =
+    (x − μ_src)/√(var_src + eps); 0 at the source: a clip shrinks toward it."""
+    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, C, H·W] (BN1d: H·W = 1)
     z = (z - mean[:, None]) / (var[:, None] + eps).sqrt()
     return torch.cat([z.mean(-1), z.pow(2).mean(-1) - 1], 1)
 
@@ -300,14 +300,15 @@ WEIGHTED = ("eata", "deyo", "deyo_come")
 LOWER_NORMS = ("sar", "deyo", "deyo_come")
 SHUFFLED = ("deyo", "deyo_come")
 
-_ADAPTED = weakref.WeakValueDictionary()  # id(a model's parameter) -> its live DPTTA
+_ADAPTED = weakref.WeakValueDictionary()  # id(parameter) -> its live DPTTA
 
 class DPTTA(nn.Module):
-    """forward(x) predicts with θ (logits [B, K], detached), then adapts θ on x. method: a table
-    row, dp_<row> or "source"; repeats=k: k steps see each privacy unit ("image" or "photo", a
-    label): σ·√k; accumulate=k: a step per k batches; fisher: EATA's public {name: F}; bn: BN on
-    the test batch's statistics ("train", Tent's; no per-sample variant) or the source's."""
-    STATE = ("ema", "m", "g_prev", "bn_ema")  # SAR's EMA, EATA's m, DP-SAR's Δ, dp_norm's EMAs
+    """forward(x) predicts with θ (logits, detached), then adapts θ on x.
+    method: a table row, dp_<row> or "source"; repeats=k: k steps see each
+    privacy unit ("image" or "photo", a label), σ·√k; accumulate=k: a step
+    per k batches; fisher: EATA's public {name: F}; bn: BatchNorm on the test
+    batch's statistics ("train", Tent's; not per-sample) or the source's."""
+    STATE = ("ema", "m", "g_prev", "bn_ema")  # SAR's, EATA's, DP-SAR's, dp_norm's
 
     def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
                  clip=None, lr=None, seed=0, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
@@ -316,9 +317,9 @@ class DPTTA(nn.Module):
                  bn_floor=0.1, bn_layers=None, accumulate=1, chunk_size=None):
         super().__init__()  # the arguments, checked in this order:
         need(method in METHODS, f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-        self.method, self.base = method, method.removeprefix("dp_")  # base: the original
+        self.method, self.base = method, method.removeprefix("dp_")  # base: original
         self.private = private = method.startswith("dp_")
-        need(eps is None or private, f"eps is for the dp_ methods only, not {method}")
+        need(eps is None or private, f"eps: dp_ methods only, not {method}")
         need(eps is not None or not private, f"{method} needs eps (inf: clip only)")
         _check_privacy(eps=eps, delta=delta)
         need(clip is not None or not private or method == "dp_norm",
@@ -331,9 +332,8 @@ class DPTTA(nn.Module):
         need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
         need(bn in ("train", "source"), "bn is 'train' (test batch) or 'source' (frozen)")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
-        need(accumulate == 1 or method != "norm", "norm keeps no state to accumulate")
+        need(accumulate == 1 or method != "norm", "norm has nothing to accumulate")
         self.eps, self.delta, self.privacy_unit, self.repeats = eps, delta, privacy_unit, repeats
-        # repeats: the steps that see one unit (a photo in k streams, k rounds); no eps: σ = 0
         self.sigma = calibrate_sigma(eps=eps or math.inf, delta=delta, repeats=repeats)
         self.clip, self.lr = clip and float(clip), lr and float(lr)
         self.bn, self.accumulate, self.fisher = bn, accumulate, fisher
@@ -344,10 +344,10 @@ class DPTTA(nn.Module):
         self.ent = entropy
         if self.base in COME_LOSS:
             self.ent = partial(come_entropy, num_classes=num_classes)
-        self.model = model.eval().requires_grad_(False)  # eval: nothing random under vmap
-        self.releases, self.bn_src = 1, {}  # per image: one step, or dp_norm's L layers
+        self.model = model.eval().requires_grad_(False)  # eval: nothing random
+        self.releases, self.bn_src = 1, {}  # per image: a step, or dp_norm's L
         self.params = self.model_params = {}  # θ (source, norm: none)
-        if self.base == "norm":  # BN's statistics; dp_norm: the first bn_layers, σ·√L
+        if self.base == "norm":  # dp_norm: the first bn_layers, σ·√L
             bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
             need(bns and bn == "train", f"{method} re-estimates BatchNorm statistics: it "
                  "needs a model with BatchNorm, and no bn='source'")
@@ -365,9 +365,9 @@ class DPTTA(nn.Module):
                            for n, p in self.model_params.items()}
         need(fisher is None or set(fisher) == set(self.params),
              "fisher must have one tensor per adapted parameter (see .params)")
-        if self.base != "source":  # source only predicts: it claims and switches nothing
+        if self.base != "source":  # source only predicts: claims, switches nothing
             self._claim()
-            for m in model.modules():  # bn="train" (originals, norm), as Tent: BatchNorm
+            for m in model.modules():  # bn="train", as Tent: BatchNorm
                 if isinstance(m, BATCH_NORM) and bn == "train" and not self.bn_src:
                     m.train()  # normalizes with the test batch's statistics
                     m.track_running_stats = False
@@ -376,17 +376,17 @@ class DPTTA(nn.Module):
         self.noise_gen = torch.Generator(device).manual_seed(seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed + 1)
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        self.tally = {}  # "nonfinite": samples left out for a non-finite loss or gradient
+        self.tally = {}  # "nonfinite": samples left out for a non-finite g_i
         self.reset()
 
-    def _claim(self):  # one live adapter per model: two would share θ, reset() each other
+    def _claim(self):  # one live adapter per model (two would share θ)
         taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED]
-        need(not taken, f"{', '.join(taken[:1])} is adapted by another live DPTTA (they would "
-             "share θ); give this one copy.deepcopy(model), or del the other first")
+        need(not taken, f"{', '.join(taken[:1])} is adapted by another live DPTTA (they "
+             "would share θ): pass copy.deepcopy(model), or del the other")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __setstate__(self, state):
-        """copy, deepcopy, pickle: the copy reseeds from OS entropy (no shared noise)."""
+        """copy, pickle: the copy reseeds from the OS (no shared noise)."""
         super().__setstate__(state)
         if self.base != "source":
             self._claim()
@@ -394,7 +394,7 @@ class DPTTA(nn.Module):
             g.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def get_extra_state(self):
-        """In state_dict(): what resumes a run exactly, noise where it stood (load it once)."""
+        """In state_dict(): exact resume, noise where it stood (load it once)."""
         return dict(method=self.method, sigma=self.sigma, theta=dict(self.params),
                     theta0=self.theta0, opt=self.opt and self.opt.state_dict(),
                     noise=self.noise_gen.get_state(), shuffle=self.shuffle_gen.get_state(),
@@ -413,11 +413,11 @@ class DPTTA(nn.Module):
         self.shuffle_gen.set_state(state["shuffle"])
 
     def reset(self):
-        """Back to the source: parameters, optimizer and method state (not the RNGs)."""
+        """Back to the source: θ, optimizer, method state (not the RNGs)."""
         self._set_theta(self.theta0)
         self.opt = self.params and torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
         self.ema = self.m = self.g_prev = None
-        self.window = []  # accumulate's batches: an episodic reset drops them unstepped
+        self.window = []  # accumulate's batches; a reset drops them unstepped
         # dp_norm: the average of the releases in z-space, from the source's (0, 1)
         self.bn_ema = {n: (0 * m, 0 * m + 1) for n, (m, _) in self.bn_src.items()}
         for bn, (mean, var) in self.bn_src.items():
@@ -434,13 +434,13 @@ class DPTTA(nn.Module):
 
     # -- the few places where methods differ besides ℓ_i ----------------------
     def loss(self, logits, ctx):
-        """ℓ_i, the per-sample loss whose gradient is clipped (the table's 2nd column)."""
+        """ℓ_i, the per-sample loss whose gradient is clipped (the table's)."""
         if self.base not in WEIGHTED:
             return self.ent(logits)
         return confidence_weighted(logits, ctx, ent=self.ent, e_margin=self.hp["e_margin"],
                                    num_classes=self.hp["num_classes"])
 
-    def _keep(self, logits, ctx, keep):  # the original's filter, and-ed with keep
+    def _keep(self, logits, ctx, keep):  # the original's filter, & keep
         if self.private or self.base in ("tent", "come"):
             return keep
         margin = self.hp["deyo_margin" if self.base in SHUFFLED else "e_margin"]
@@ -448,7 +448,7 @@ class DPTTA(nn.Module):
         new = self.ent(logits.detach()) < margin * log_k  # reliable: H < margin·ln K
         if self.base in SHUFFLED:
             new &= plpd(logits, ctx) > self.hp["plpd_threshold"]
-        if self.base == "eata":  # redundancy: skip samples like the recent average
+        if self.base == "eata":  # redundancy: skip samples like recent ones
             p = logits.detach().float().softmax(-1)
             if self.m is not None:  # |cos(m, p)| < d
                 new &= torch.cosine_similarity(self.m[None], p, 1).abs() < self.hp["d_margin"]
@@ -459,14 +459,14 @@ class DPTTA(nn.Module):
 
     @torch.no_grad()
     def context(self, x):
-        """What ℓ_i reads besides its logits: DeYO's softmax on patch-shuffled x′, or None."""
+        """ℓ_i's input besides logits: DeYO's softmax of x′, or None."""
         if self.base not in SHUFFLED:
             return None
         xs = patch_shuffle(x, self.hp["patch_grid"], self.shuffle_gen)
         return logits_of(self.model(xs)).float().softmax(-1)
 
     # -- the gradient: private (per sample, clipped, noised) or plain ----------
-    def _grad(self, x, ctx, shift=None, keep=None, clip=True):  # at θ + shift: logits, Δ, kept
+    def _grad(self, x, ctx, shift=None, keep=None, clip=True):  # (logits, Δ, kept)
         theta = {n: (t if shift is None else t + shift[n]).detach() for n, t in self.params.items()}
         theta = {n: t.to(self.model_params[n].dtype).requires_grad_() for n, t in theta.items()}
         if self.clip is not None and clip:
@@ -495,8 +495,8 @@ class DPTTA(nn.Module):
         return logits, {n: at_least_fp32(t) for n, t in zip(theta, g)}, keep
 
     def _guard_nonfinite(self, theta, logits, x, ctx, keep):
-        """Guard: non-finite samples (0·NaN = NaN in the backward) dropped, counted, the rest
-        forwarded again: (their logits, which of them to use, their ctx, keep)."""
+        """Guard: non-finite samples (0·NaN = NaN in backward) dropped, counted,
+        the rest forwarded again: (their logits, use, ctx, keep)."""
         finite = torch.isfinite(logits).all(-1)
         use = finite if keep is None else keep & finite  # what the loss averages
         if finite.all():
@@ -508,7 +508,7 @@ class DPTTA(nn.Module):
         return z, use[finite], None if ctx is None else ctx[finite], use
 
     def forward(self, x):
-        if self.base == "source" or not len(x):  # guard: an empty batch has nothing to teach
+        if self.base == "source" or not len(x):  # guard: an empty batch
             with torch.no_grad():
                 return logits_of(self.model(x))
         if self.accumulate == 1:
@@ -523,25 +523,25 @@ class DPTTA(nn.Module):
         return logits
 
     def flush(self):
-        """One step on the batches waiting in the window: call it at the end of a stream."""
+        """A step on the window's batches: call it when a stream ends."""
         if self.window:
             x, self.window = torch.cat(self.window), []
             self._update(x)
 
     def _update(self, x):
-        if self.base == "norm":  # no step: BN's statistics (dp_norm: released layer by layer)
+        if self.base == "norm":  # no step (dp_norm: statistics released)
             with torch.no_grad(), contextlib.ExitStack() as hooks:
                 for name in self.bn_src:  # a hook's handle removes it on exit
                     hooks.enter_context(self.model.get_submodule(name).register_forward_pre_hook(
                         partial(self._release_stats, name)))
                 return logits_of(self.model(x))
-        with torch.inference_mode(False), torch.enable_grad():  # guard: from inference code too
+        with torch.inference_mode(False), torch.enable_grad():  # guard: no_grad callers
             x = x.clone() if x.is_inference() else x
             if self.base == "sar":
                 sam = self._dp_sat_step if self.private else self._sam_step
                 return sam(x, self.context(x)).detach()
-            logits, g, _ = self._grad(x, self.context(x))  # every other method: Δ at θ, SGD
-            if g is not None:  # a batch in which no sample survives the filters: no step
+            logits, g, _ = self._grad(x, self.context(x))  # the others: Δ at θ, SGD
+            if g is not None:  # None: the filters kept no sample, no step
                 self._step(g)
             return logits.detach()
 
@@ -563,7 +563,7 @@ class DPTTA(nn.Module):
             self.reset()
         return logits
 
-    def _dp_sat_step(self, x, ctx):  # DP-SAR (DP-SAT): ascend along the last *private* Δ
+    def _dp_sat_step(self, x, ctx):  # DP-SAT: ascend along the last *private* Δ
         shift = None if self.g_prev is None else self._ascent(self.g_prev)
         logits, self.g_prev, _ = self._grad(x, ctx, shift)
         if shift is not None:
@@ -577,7 +577,7 @@ class DPTTA(nn.Module):
         return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}
 
     def _release_stats(self, name, bn, args):
-        """dp_norm, before BN `name` normalizes: its statistics := its releases, post-processed."""
+        """dp_norm, before BN `name` runs: its statistics := its releases."""
         mean, var = self.bn_src[name]
         v = bn_moments(args[0], mean, var, bn.eps)
         # (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B, c = scale·√(2C): a (2/σ_l)-GDP release
@@ -588,11 +588,11 @@ class DPTTA(nn.Module):
         m, v = (1 - k) * m0 + k * m, ((1 - k) * v0 + k * v).clamp(min=self.hp["bn_floor"])
         self.bn_ema[name] = m, v
         bn.running_mean.copy_(mean + (var + bn.eps).sqrt() * m)  # μ = μ_src + σ_src·E z
-        bn.running_var.copy_((var + bn.eps) * v)  # as train mode's: σ_src²·var z
+        bn.running_var.copy_((var + bn.eps) * v)  # σ_src²·var z, as train mode
 
     def _step(self, g):
         for n, p in self.params.items():
-            if self.fisher is not None:  # data-free (θ, θ0, public F): outside the clip
+            if self.fisher is not None:  # data-free (θ, θ0, public F): unclipped
                 drift = p.detach() - self.theta0[n]  # ∇ λ·Σ F(θ − θ0)² = 2λF(θ − θ0)
                 g[n] = g[n] + 2 * self.hp["fisher_lambda"] * self.fisher[n] * drift
             p.grad = g[n].to(p.dtype)
@@ -625,8 +625,7 @@ LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: "
           "ROOT/<wnid>/*.jpg); ImageNet-C: https://zenodo.org/record/2235448")
 
 def reached_once(seen, path, node=None):
-    """Refuses a path whose node (device, inode; stat'ed unless given) `seen` {node: path}
-    holds under another path."""
+    """Refuses a path whose node (device, inode) `seen` holds under another."""
     if node is None:
         st = os.stat(path)
         node = st.st_dev, st.st_ino
@@ -635,8 +634,8 @@ def reached_once(seen, path, node=None):
          "remove the link or copy the file")
 
 class WnidFolder(ImageFolder):
-    """ImageFolder with ImageNet-1k targets by WordNet id (a subset of classes scores
-    right); an unreadable image is (None, path), not a crash hours in."""
+    """ImageFolder, targets: ImageNet-1k indices by WordNet id (a subset of
+    classes scores right); an unreadable image is (None, path), no crash."""
 
     def __init__(self, root, transform=None):
         super().__init__(root, transform)  # raises: no class folder, or an empty one
@@ -649,8 +648,8 @@ class WnidFolder(ImageFolder):
 
     def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None,
                      allow_empty=False):
-        """ImageFolder's listing, a path reached twice (a link, a loop) refused; self.nodes:
-        {(device, inode): path} of each, which Mixed merges without a stat."""
+        """ImageFolder's listing, refusing a path reached twice (a link, a
+        loop); self.nodes {(device, inode): path}: for Mixed, no stat again."""
         self.nodes = {}
         once = partial(reached_once, self.nodes)
         once(directory)
@@ -676,11 +675,11 @@ class WnidFolder(ImageFolder):
         try:
             return self.transform(self.loader(path)), self.imagenet_index[c]
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-            return None, path  # truncated, corrupt, not an image, a decompression bomb
+            return None, path  # truncated, corrupt, not an image, a bomb
 
 def collate_skipping(batch):
-    """(x, y, unreadable paths): an unreadable image is a gray placeholder labelled −1, not
-    scored but in B (the divisor never depends on a file's readability)."""
+    """(x, y, unreadable paths): an unreadable image is a gray placeholder,
+    label −1: not scored, but in B (B never depends on a file's health)."""
     bad = [path for x, path in batch if x is None]
     good = [b for b in batch if b[0] is not None]
     if not good:
@@ -690,8 +689,8 @@ def collate_skipping(batch):
 
 def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=False,
                  order="random"):
-    """A DataLoader over a seeded shuffle (its first `limit` images) in `order`: "random",
-    "class" (SAR's label shift) or "dirichlet:ALPHA" (RoTTA's: a class spread by Dir(ALPHA))."""
+    """A DataLoader over a seeded shuffle's first `limit` images in `order`:
+    "random", "class" (SAR's label shift) or "dirichlet:ALPHA" (RoTTA's)."""
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(dataset), generator=gen)[:limit]
     labels = np.asarray(dataset.targets)[perm.numpy()]
@@ -700,7 +699,7 @@ def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=F
     elif order.startswith("dirichlet:"):
         rng, classes = np.random.default_rng(seed), np.unique(labels)
         slots = [[] for _ in classes]
-        for c in classes:  # class c's images cut into consecutive slots by Dir(α) shares
+        for c in classes:  # c's images cut into slots by Dir(α) shares
             mine = perm.numpy()[labels == c]
             share = rng.dirichlet([float(order[10:])] * len(classes))
             cuts = (np.cumsum(share) * len(mine)).astype(int)[:-1]
@@ -711,7 +710,7 @@ def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=F
                       collate_fn=collate_skipping, pin_memory=pin_memory)
 
 class Mixed(torch.utils.data.ConcatDataset):
-    """--setting mixed (SAR's): one stream of all corruptions c, labelled y + TAG·c."""
+    """--setting mixed (SAR's): all corruptions c in one stream, y + TAG·c."""
     TAG = 1000
 
     def __init__(self, streams):
@@ -728,7 +727,7 @@ class Mixed(torch.utils.data.ConcatDataset):
         return (x, y + self.TAG * c) if x is not None else (x, y)
 
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
-    """An ImageNet-C-shaped tree of random JPEGs: n per corruption over 10 real wnids."""
+    """An ImageNet-C-shaped tree of random JPEGs, n per corruption, 10 wnids."""
     wnids = timm.data.ImageNetInfo().label_names()[:10]
     rng = np.random.default_rng(seed)
     for c in corruptions:
@@ -740,7 +739,7 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     return root
 
 def fisher_information(model, params, images, n=2000):
-    """EATA's F: the mean over batches of (∇θ CE(f(x), argmax f(x)))², n clean images."""
+    """EATA's F on n clean images: batches' mean of (∇θ CE(f, argmax f))²."""
     p = {k: t.detach().requires_grad_() for k, t in params.items()}
     fisher, batches, seen = {k: torch.zeros_like(t) for k, t in p.items()}, 0, 0
     device = next(iter(p.values())).device
@@ -773,7 +772,7 @@ PAPER_DP = {  # setting -> method -> {ε: (C, lr)}
         "dp_deyo": {20: (1, 0.01), 15: (1, 0.01), 10: (10, 1e-3), 5: (0.1, 0.1), 1: (0.1, 1e-3)},
         "dp_deyo_come": {20: (10, 5e-3), 15: (1, 0.05), 10: (0.1, 0.1), 5: (0.1, 0.1),
                          1: (0.1, 0.01)}}}
-PAPER_CLIP_ONLY = {  # the original method, filters kept, per-sample clip, no noise: (C, lr)
+PAPER_CLIP_ONLY = {  # originals, filters kept, per-sample clip, no noise: (C, lr)
     "continual": {"tent": (0.1, 0.5), "eata": (0.1, 0.5), "sar": (1, 0.1), "deyo": (10, 0.01),
                   "deyo_come": (20, 0.01)},
     "episodic": {"tent": (1, 0.1), "eata": (30, 5e-3), "sar": (5, 0.05), "deyo": (35, 5e-3),
@@ -796,7 +795,7 @@ HP_TYPES = dict(e_margin=(float, 0, inf), d_margin=(float, 0, inf), rho=(float, 
                 bn_floor=(float, -inf, inf), bn_layers=(int, 0, inf))
 
 def constants_used(method, fisher=False):
-    """The --hp names that change a run of `method` (a filter's only where filters run)."""
+    """The --hp names that change a run of `method` (filters' where they run)."""
     base, deyo = method.removeprefix("dp_"), "deyo_margin plpd_threshold"
     filters = dict(eata="e_margin d_margin", sar="e_margin reset_ema", deyo=deyo,
                    deyo_come=deyo)
@@ -809,7 +808,7 @@ def constants_used(method, fisher=False):
     return {name for on, names in uses if on for name in names.split()}
 
 def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
-    """(C, lr, their source) from the paper's tables (an original with a clip: clip-only)."""
+    """(C, lr, source) from the paper's tables (an original + clip: clip-only)."""
     private, base = method.startswith("dp_"), method.removeprefix("dp_")
     if base in ("source", "norm"):
         return None, None, "no gradient step"
@@ -902,7 +901,7 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 def parse_hp(items):
-    """["e_margin=0.5", ...] -> {"e_margin": 0.5}: known names, finite numbers."""
+    """["e_margin=0.5", ...] -> {"e_margin": 0.5}: known names, finite."""
     hp = {}
     for item in items:
         name, _, value = item.partition("=")
@@ -917,7 +916,7 @@ def parse_hp(items):
     return hp
 
 def check_common(args, mode=None):
-    """The flags every mode reads, and none of another mode's: one line and exit 2."""
+    """The flags every mode reads, none of another mode's: one line, exit 2."""
     tools = dict(rounds=("benchmark", 5), trials=("audit", 20000), e2e_trials=("audit", 5000),
                  per_corruption=("summarize", 0), error=("summarize", 0))
     for flag, (tool, default) in tools.items():
@@ -947,8 +946,8 @@ def check_common(args, mode=None):
     args.dtype = "bf16" if args.amp == "bf16" and args.device == "cuda" else "fp32"
 
 def check_args(args):
-    """Every flag checked, defaults filled in: one line and exit 2 for anything wrong (folders
-    and weights when opened, still before the first image)."""
+    """Every flag checked, defaults filled in; anything wrong: one line, exit
+    2 (folders and weights when opened, still before the first image)."""
     check_common(args)
     private, base = args.method.startswith("dp_"), args.method.removeprefix("dp_")
     hint = f" (try dp_{args.method})" if args.method != "source" else ""
@@ -1029,7 +1028,7 @@ def check_model(name):
         fail(f"{e}; tags: {', '.join(timm.list_pretrained(name.split('.')[0] + '.*'))}")
 
 def open_folder(folder):
-    """A WnidFolder, or one line and exit 2 (missing, no class, empty, not a wnid)."""
+    """A WnidFolder, or one line and exit 2 (missing, empty, not wnids)."""
     require(os.path.isdir(folder), f"missing {folder}; {LAYOUT}")
     try:
         return WnidFolder(folder)
@@ -1037,12 +1036,12 @@ def open_folder(folder):
         fail(f"{folder}: {one_line(e)}; {LAYOUT}")
 
 def open_streams(corruptions, root, severity):
-    """{corruption: WnidFolder}: every stream's folder scanned before the first image."""
+    """{corruption: WnidFolder}, all scanned before the first image."""
     return {c: open_folder(root if c == "imagenet_r" else os.path.join(root, c, str(severity)))
             for c in corruptions}
 
 def build_model(name, checkpoint=None, random_weights=False):
-    """A timm model with its pretrained weights, a local checkpoint, or random weights."""
+    """A timm model: pretrained, from a local checkpoint, or random."""
     try:
         model = timm.create_model(name, pretrained=not (random_weights or checkpoint))
     except Exception as e:  # no network, no cache, ...
@@ -1058,10 +1057,10 @@ def build_model(name, checkpoint=None, random_weights=False):
     return model
 
 def run_key(args):
-    """Everything that changes a result (the seed included; --summarize drops it)."""
-    key = {k: getattr(args, k) for k in ("method", "eps", "delta", "privacy_unit", "clip", "lr",
-           "hp", "batch_size", "setting", "order", "repeat", "accumulate", "dataset", "severity",
-           "corruptions", "model", "bn", "seed", "limit")}
+    """All that changes a result (the seed too; --summarize drops it)."""
+    names = ("method eps delta privacy_unit clip lr hp batch_size setting order repeat "
+             "accumulate dataset severity corruptions model bn seed limit")
+    key = {k: getattr(args, k) for k in names.split()}
     if args.synthetic:
         key.update(weights="random", data=f"synthetic:{args.synthetic}")
     else:
@@ -1075,7 +1074,7 @@ def run_key(args):
     return json.loads(json.dumps(jsonable(key)))  # as it reads back (lists, not tuples)
 
 def jsonable(x):
-    """x with each non-finite float as "inf", "-inf" or "nan" (JSON has none)."""
+    """x with non-finite floats as "inf", "-inf", "nan" (JSON has none)."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
@@ -1085,7 +1084,7 @@ def jsonable(x):
     return x
 
 def read_jsonl(path, flag):
-    """A JSONL file's records: a damaged line skipped and named, a file of none exit 2."""
+    """A JSONL file's records: damaged lines named, skipped; none: exit 2."""
     require(os.path.isfile(path), f"{flag} {path} does not exist")
     records, damaged = [], []
     with open(path, errors="replace") as f:
@@ -1108,8 +1107,8 @@ def read_jsonl(path, flag):
     return records
 
 def append_jsonl(path, record):
-    """Appends one whole JSON line, after a newline if the last was left unended (a crash, a
-    full disk); a failed write prints the record (not lost) and exits 4."""
+    """Appends one whole JSON line (a newline first if the last is unended:
+    a crash, a full disk); a failed write prints the record, exits 4."""
     text = json.dumps(jsonable(record), allow_nan=False)
     line = (text + "\n").encode()
     try:
@@ -1118,7 +1117,7 @@ def append_jsonl(path, record):
             end = os.fstat(fd).st_size
             if end and os.pread(fd, 1, end - 1) != b"\n":
                 line = b"\n" + line
-            while line:  # O_APPEND: runs never interleave lines; a short write: the rest
+            while line:  # O_APPEND: lines never interleave; short writes go on
                 line = line[os.write(fd, line):]
         finally:
             os.close(fd)
@@ -1129,19 +1128,18 @@ def append_jsonl(path, record):
         sys.exit(4)
 
 def privacy_ledger(adapter, streams, rounds=1):
-    """What is promised, to whom, in numbers (streams showing a photo, rounds: --repeat)."""
+    """What is promised, to whom, in numbers (rounds: --repeat)."""
     if not adapter.private:
         return dict(private=False, clip=adapter.clip)
     if adapter.sigma == 0:
         return dict(private=False, clip_only=True, note="clip only, not private",
                     eps=adapter.eps, clip=adapter.clip)
-    s, d = adapter.sigma / math.sqrt(adapter.releases), adapter.delta  # σ of one step's μ
-    unit = "one test image, replace-one neighbours, used in one step"
-    if rounds > 1:
-        unit = f"one test image, replace-one neighbours, used in {rounds} steps"
-    if adapter.privacy_unit == "photo":
-        unit = f"one photo, replace-one neighbours, in its {streams * rounds} streams"
+    s, d = adapter.sigma / math.sqrt(adapter.releases), adapter.delta  # a step's σ
+    steps = "one step" if rounds == 1 else f"{rounds} steps"
+    unit = f"one test image, replace-one neighbours, used in {steps}"
     k = streams * rounds  # k steps see a photo: μ√k-GDP, i.e. σ/√k
+    if adapter.privacy_unit == "photo":
+        unit = f"one photo, replace-one neighbours, in its {k} streams"
     return dict(private=True, eps=adapter.eps, delta=d, sigma=s, mu=2 / s, clip=adapter.clip,
                 privacy_unit=adapter.privacy_unit, unit=unit, repeats=k, rounds=rounds,
                 releases=adapter.releases, sigma_per_release=adapter.sigma,
@@ -1149,7 +1147,7 @@ def privacy_ledger(adapter, streams, rounds=1):
                 eps_per_underlying_image=gdp_epsilon(sigma=s / math.sqrt(k), delta=d))
 
 def wild(settings):
-    """The wild settings that differ from the paper's, as " | order class | repeat 3"."""
+    """Settings unlike the paper's, as " | order class | repeat 3"."""
     plain = dict(order="random", repeat=1, accumulate=1)
     return "".join(f" | {k} {settings.get(k, v)}" for k, v in plain.items()
                    if settings.get(k, v) != v)
@@ -1197,7 +1195,7 @@ def rate(n, seconds):
     return f"{n / max(seconds, 1e-9):.3g} img/s"
 
 def stop_unless_finite(adapter, where, *tensors):
-    """θ and the tensors (logits) hold no NaN or inf (one device sync), or exit 3."""
+    """θ and the tensors (logits) are finite (one device sync), or exit 3."""
     tensors = (*adapter.params.values(), *tensors)
     checks = [torch.isfinite(t.detach()).all() for t in tensors]
     if checks and not torch.stack(checks).all():
@@ -1205,17 +1203,17 @@ def stop_unless_finite(adapter, where, *tensors):
               "large?); stopped, no record of this corruption or run", file=sys.stderr)
         sys.exit(3)
 
-def autocast(args):  # bf16 forward and backward on CUDA (clip, noise, step stay fp32)
+def autocast(args):  # bf16 on CUDA (clip, noise and step stay fp32)
     return torch.autocast(args.device, torch.bfloat16, enabled=args.dtype == "bf16")
 
 def stream_through(adapter, loader, c, *, args, lookup, groups=1):
-    """A stream through the adapter: (correct, scored) per group (a mixed stream's
-    corruptions, carried by its labels; else one) and the unreadable paths."""
+    """A stream through the adapter: (correct, scored) per group (a mixed
+    stream's corruptions, carried by labels; else one), unreadable paths."""
     device = args.device
     correct, scored = torch.zeros(2, groups, dtype=torch.long, device=device)
     unreadable, t0 = [], time.time()
     for i, (x, y, bad) in enumerate(loader):
-        if STOP:  # a signal a DataLoader's teardown swallowed: stop all the same
+        if STOP:  # a signal a DataLoader swallowed: stop all the same
             raise KeyboardInterrupt
         for path in bad:
             print(f"  unreadable, skipped: {path}", flush=True)
@@ -1223,7 +1221,7 @@ def stream_through(adapter, loader, c, *, args, lookup, groups=1):
         if x is None:
             continue
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if lookup is not None:  # ImageNet-1k index -> position among the classes scored
+        if lookup is not None:  # ImageNet-1k index -> index among those scored
             y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
         group = torch.where(y >= 0, y // Mixed.TAG, 0)
         y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1): never scored
@@ -1239,7 +1237,7 @@ def stream_through(adapter, loader, c, *, args, lookup, groups=1):
             print(f"  {c} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% "
                   f"{rate(seen, time.time() - t0)}", flush=True)
     with autocast(args):
-        adapter.flush()  # the stream's last, partial accumulate window steps too
+        adapter.flush()  # the last, partial accumulate window steps too
     stop_unless_finite(adapter, f"the last step of {c}")
     return correct.tolist(), scored.tolist(), unreadable
 
@@ -1295,8 +1293,8 @@ def main(argv=None):
             signal.signal(s, h)
 
 def adapt_and_record(args, key, device, hp_note, state, resume=None):
-    """Build (every input opened before the first image), adapt, record: after each
-    corruption its record, then the adapter's state for --resume, its noise where it stood."""
+    """Opens every input, then adapts; after each corruption its record and
+    the adapter's state for --resume (its noise where it stood)."""
     streams = open_streams(args.corruptions, args.data, args.severity)
     fisher_set = args.fisher_data and open_folder(args.fisher_data)
     model = build_model(args.model, args.checkpoint, random_weights=bool(args.synthetic))
@@ -1344,7 +1342,7 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
     if ledger["private"] and args.delta >= 1 / n:
         print(f"dptta: warning: δ = {args.delta:g} is not below 1/n = 1/{n} (n: a stream's "
               "images), the usual rule", file=sys.stderr)
-    sources = streams  # a run's units: each corruption (mixed: all), each round
+    sources = streams  # a run's units: each corruption (mixed: all), round
     if args.setting == "mixed":
         sources = {"mixed": or_fail(Mixed, streams)}
     # what a killed run resumes from (with the adapter's state, saved after each corruption)
@@ -1412,13 +1410,13 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
     return 0
 
 def save_state(path, state):
-    """torch.save to a temporary file, then a rename: a kill leaves the old state or the new."""
+    """torch.save, then a rename: a kill leaves the old state or the new."""
     try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
     except (OSError, RuntimeError) as e:  # torch.save: a full disk is a RuntimeError
-        print(f"dptta: warning: cannot save {path} ({one_line(e)}): a rerun would start "
-              "afresh (the records, which are what matter, go on)", file=sys.stderr)
+        print(f"dptta: warning: cannot save {path} ({one_line(e)}): --resume would start "
+              "afresh (the records go on)", file=sys.stderr)
 
 # ============================================================================
 # Appendix: tools (--summarize, --benchmark, --audit)
@@ -1426,7 +1424,7 @@ from scipy import stats
 
 # -- --summarize: the paper's tables from a results file ---------------------
 def variant_of(record):
-    """A run's column: non-private, clip-only, ε=inf (dp_, no noise) or ε=<eps>."""
+    """A run's column: non-private, clip-only, ε=inf (no noise) or ε=<eps>."""
     if not record["method"].startswith("dp_"):
         return "clip-only" if record["clip"] else "non-private"
     column = f"ε={float(record['eps']):g}"  # "inf" in the file: ε=inf
@@ -1440,12 +1438,13 @@ def cell(values, error):
     return f"{np.mean(v):.1f}{spread} (n={len(v)})"
 
 def summarize(path, per_corruption=False, error=False):
-    """Tables of complete runs, methods × variants: mean ± sample std over seeds (n shown) of
-    runs alike but for the seed; smoke, --limit and unfinished runs apart, never averaged."""
+    """Tables of complete runs, methods × variants: mean ± std over seeds
+    (n shown); smoke, --limit and unfinished runs listed apart."""
     records = read_jsonl(path, "--summarize")
     finals = [r for r in records if r.get("mode") == "adapt" and "key" in r]
-    done = [r["key"] for r in finals]  # a dead run whose cell was rerun to the end: done
-    unfinished = {}  # run_id -> the corruption records of a run with no final record
+    done = [r["key"] for r in finals]  # a dead run rerun to the end: done
+    # run_id -> the corruption records of a run with no final record
+    unfinished = {}
     for r in records:
         if r.get("mode") == "corruption" and r["key"] not in done:
             unfinished.setdefault(r["run_id"], []).append(r)
@@ -1473,7 +1472,7 @@ def summarize(path, per_corruption=False, error=False):
         columns = [c for c in order if c in present] + sorted(present - set(order))
         rows = {}
         for base, variant, runs in entries:
-            label = base  # two settings of one cell (e.g. tuning): told apart
+            label = base  # two settings of a cell (tuning): told apart
             if sum(e[:2] == (base, variant) for e in entries) > 1:
                 label += f" C={runs[0]['clip']} lr={runs[0]['lr']:g} {runs[0].get('hp') or ''}"
             rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
@@ -1514,7 +1513,7 @@ WIDE_OPEN = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_thresh
                  reset_ema=-math.inf)
 
 def benchmark(args):
-    """One step of every method, non-private / clip-only / DP, timed side by side."""
+    """A step of every method, non-private, clip-only, DP, side by side."""
     check_common(args, "benchmark")
     check_out(args, "results-benchmark.jsonl")
     device = torch.device(args.device)
@@ -1537,13 +1536,13 @@ def benchmark(args):
             specs[f"dp_{b} {B}x{acc}"] = (f"dp_{b}", dict(dp, accumulate=acc))
     if any(isinstance(m, BATCH_NORM) for m in model.modules()):
         specs.update(norm=("norm", dict(bn="train")), dp_norm=("dp_norm", dict(eps=5, bn="train")))
-    try:  # each its own copy of the model: adapters never share θ
+    try:  # each its own copy of the model: never a shared θ
         variants = {k: DPTTA(copy.deepcopy(model), method, **{**wide_open, **kwargs})
                     for k, (method, kwargs) in specs.items()}
     except ValueError as e:
         fail(f"--benchmark --model {name}: {e}")
 
-    def step(a):  # a window: one batch, or (accumulate) a batch of B at a time
+    def step(a):  # a window: one batch, or B at a time (accumulate)
         with autocast(args):
             for xb in x.split(len(x) // a.accumulate):
                 a(xb)
@@ -1551,7 +1550,7 @@ def benchmark(args):
             torch.cuda.synchronize()
 
     times, peak, fallbacks = {k: [] for k in variants}, {}, sum(VMAP_FALLBACKS.values())
-    for k, a in variants.items():  # warm-up, and on CUDA the step's peak memory
+    for k, a in variants.items():  # warm-up; on CUDA, the peak memory
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         step(a)
@@ -1604,11 +1603,11 @@ def benchmark(args):
 
 # -- --audit: an empirical lower bound on ε from a distinguishing game -------
 def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
-    """ε_lb from the worlds' test statistics (large: "canary in"): a threshold chosen on half
-    the trials, its error rates on the other half bounded by Clopper-Pearson (each at (1 −
-    confidence)/2). gaussian (Nasr et al. 2023): μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR) bounds μ of
-    a Gaussian trade-off curve, ε_lb = ε of μ_lb-GDP at δ; else (Kairouz et al. 2015), weak:
-    ε_lb = log((1 − δ − FNR)/FPR), and with the roles swapped."""
+    """ε_lb from the worlds' scores (large: "canary in"): a threshold picked
+    on half the trials, its error rates on the other half bounded by
+    Clopper-Pearson (each at (1 − confidence)/2). gaussian (Nasr et al.
+    2023): μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR), ε_lb = ε of μ_lb-GDP at δ;
+    else (Kairouz et al. 2015): ε_lb = log((1 − δ − FNR)/FPR), or swapped."""
     s_in, s_out = np.asarray(s_in, float), np.asarray(s_out, float)
     h, alpha = min(len(s_in), len(s_out)) // 2, (1 - confidence) / 2
 
@@ -1617,7 +1616,7 @@ def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
 
     def bound_at(t, part):
         fpr, fnr = upper((s_out[part] > t).sum()), upper((s_in[part] <= t).sum())
-        if gaussian:  # μ_lb of the Gaussian trade-off curve through (FPR, FNR)
+        if gaussian:  # μ_lb of the Gaussian curve through (FPR, FNR)
             return stats.norm.ppf(1 - fpr) - stats.norm.ppf(fnr)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = ((1 - delta - fnr) / fpr, (1 - delta - fpr) / fnr)
@@ -1632,7 +1631,7 @@ def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
     return lb
 
 def flat_sample_grads(adapter, x):
-    """What the adapter clips, a row per sample: g_i at θ (dp_norm: 1st layer's moments)."""
+    """What the adapter clips, a row per sample (dp_norm: 1st BN's v_i)."""
     if adapter.method == "dp_norm":
         name = next(iter(adapter.bn_src))
         bn, seen = adapter.model.get_submodule(name), []
@@ -1644,15 +1643,15 @@ def flat_sample_grads(adapter, x):
     return torch.cat([t.flatten(1).float() for t in g.values()], 1)
 
 def clip_of(adapter, width):
-    """The adapter's clip norm (dp_norm: scale·√(2C) for 2C moments; no clip: inf)."""
+    """The adapter's clip norm (dp_norm: scale·√width; no clip: inf)."""
     if adapter.method == "dp_norm":
         return adapter.hp["bn_scale"] * math.sqrt(width)
     return adapter.clip or math.inf
 
 def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
-    """Two images whose per-sample gradients at θ point as far apart as they can: Adam on the
-    pixels (in [−box, box]) minimizing cos(g1, g2) − 0.01·(log‖g1‖ + log‖g2‖), the norms kept
-    up so that C can sit below them; ∇_x g(x) is a double backward (create_graph)."""
+    """Two images whose g_i at θ point far apart: Adam on the pixels (in
+    [−box, box]) minimizing cos(g1, g2) − 0.01·log(‖g1‖‖g2‖), norms kept up
+    so C can sit below them; ∇_x g(x) is a double backward."""
     a, gen = adapter, torch.Generator().manual_seed(seed)
     imgs = torch.randn(2, *shape, generator=gen).to(next(a.model.parameters()).device)
     opt = torch.optim.Adam([imgs.requires_grad_()], lr=0.05)
@@ -1675,8 +1674,8 @@ def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
 
 @contextlib.contextmanager
 def replayed_per_sample_pass(adapter):
-    """End-to-end trials step from θ0 on the same two batches: each one's per-sample pass
-    (and DeYO's shuffled view) runs once, replayed; clip, noise, step run every trial."""
+    """End-to-end trials step from θ0 on the same two batches: each one's
+    per-sample pass (and x′) runs once; clip, noise, step run every trial."""
     memo, real, context = {}, per_sample_grads, adapter.context
 
     def once(fn, x, *args, **kwargs):
@@ -1696,12 +1695,13 @@ def replayed_per_sample_pass(adapter):
 
 def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0,
           gaussian=True):
-    """The change-one game against an adapter: ε_lb at `confidence`. The worlds differ in one
-    sample; the attacker knows all but the noise and tests the release along d = clip(g_in) −
-    clip(g_out), optimal for the Gaussian mechanism. White-box (no images): the release is
-    clip_and_noise on the method's flattened g_i of x (dp_norm: moments) plus a canary
-    *gradient* of norm 10·C or its negative, 2C apart once clipped, the worst case (no clip:
-    C = 1, unclipped). End-to-end: a real DPTTA step from θ0 on x + an image; only θ seen."""
+    """The change-one game: ε_lb at `confidence`. The worlds differ in one
+    sample; the attacker knows all but the noise and scores the release
+    along d = clip(g_in) − clip(g_out) (optimal against Gaussian noise).
+    White-box: clip_and_noise on x's g_i (dp_norm: v_i) plus a canary
+    *gradient* of norm 10·C or its negative, 2C apart once clipped, the
+    worst case (no clip: C = 1). End-to-end: a DPTTA step from θ0 on x and
+    an image; only θ seen."""
     a = adapter
     if canary is None:
         flat = flat_sample_grads(a, x)
@@ -1732,7 +1732,7 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
     return epsilon_lower_bound(s_in, s_out, a.delta, confidence, gaussian)
 
 def audit_cli(args):
-    """White-box and end-to-end ε_lb of --method at --eps on a small ViT (norm: a BN CNN)."""
+    """White-box and end-to-end ε_lb of --method at --eps (tiny ViT or CNN)."""
     check_common(args, "audit")
     require(args.model is None, "--audit has its own small model; --model does not apply")
     check_out(args, "results-audit.jsonl")
@@ -1753,7 +1753,7 @@ def audit_cli(args):
         model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
                                   patch_size=8, depth=2, embed_dim=32, num_heads=2, num_classes=10)
         kwargs.update(lr=args.lr or 0.1, clip=args.clip or (1.0 if private else None))
-        if not private:  # the originals' filters open: the canary is kept
+        if not private:  # filters open: the canary is kept
             kwargs.update(WIDE_OPEN)
     a = or_fail(DPTTA, model.eval(), args.method, seed=args.seed, **kwargs)
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(args.seed))
@@ -1796,5 +1796,5 @@ def audit_cli(args):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # at start-up, before the run's handlers: nothing written
+    except KeyboardInterrupt:  # at start-up: nothing written
         sys.exit(130)
