@@ -202,9 +202,9 @@ def at_least_fp32(t):  # bf16/fp16 -> fp32; fp32 and fp64 as they are
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
-    """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, ‖·‖ over all tensors,
-    in fp32 or better (bf16 can push a norm over C); a non-finite g_i counts
-    as 0 (decided on i alone) and in tally["nonfinite"]."""
+    """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, sensitivity 2C, one
+    ‖·‖ over all tensors, fp32 or better (bf16 can push a norm over C); a
+    non-finite g_i counts as 0 (decided on i alone) and in tally["nonfinite"]."""
     g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
     finite = torch.isfinite(norms)
