@@ -319,7 +319,7 @@ class DPTTA(nn.Module):
         need(method in METHODS, f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         self.method, self.base = method, method.removeprefix("dp_")  # base: original
         self.private = private = method.startswith("dp_")
-        need(eps is None or private, f"eps: dp_ methods only, not {method}")
+        need(eps is None or private, f"eps is for dp_ methods only, not {method}")
         need(eps is not None or not private, f"{method} needs eps (inf: clip only)")
         _check_privacy(eps=eps, delta=delta)
         need(clip is not None or not private or method == "dp_norm",
