@@ -44,12 +44,14 @@ def _log_gdp_delta(eps, sigma):
     x = -eps / mu + mu / 2
     log_phi = special.log_ndtr(x)
     D = log_phi - eps - special.log_ndtr(x - mu)
-    if D < 0.1:  # near cancellation (large σ): D = ∫_{x−μ}^{x} (φ/Φ(u) + u) du
+    # near cancellation (large σ): D = ∫_{x−μ}^{x} (φ/Φ(u) + u) du
+    if D < 0.1:
         nodes, weights = np.polynomial.legendre.leggauss(16)  # exact to rounding
         u = x - mu / 2 + nodes * mu / 2
         hazard = np.exp(-u ** 2 / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))
         D = mu / 2 * np.sum(weights * (hazard + u))
-    if not D > 0:  # rounding, only at Φ(x) < 1e-300: δ <= Φ(x), the safe side
+    # rounding, only at Φ(x) < 1e-300: δ <= Φ(x), the safe side
+    if not D > 0:
         return log_phi
     return log_phi + np.log(-np.expm1(-D))
 
@@ -96,7 +98,7 @@ def gdp_epsilon(*, sigma, delta):
 # -- Per-sample gradients, clipping and noise --------------------------------
 BATCH_NORM = nn.modules.batchnorm._BatchNorm  # timm's BatchNormAct2d too
 NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM)  # timm's LayerNorm2d too (ConvNeXt)
-VMAP_FALLBACKS = {}  # op -> passes in which vmap ran it once per sample
+VMAP_FALLBACKS = {}  # op -> passes that ran it once per sample
 
 def _trunk_cut(model):
     """Where the trunk's top starts: the last 3 of `blocks` (timm's ViT,
@@ -150,8 +152,8 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
             theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
                      for n, p in params.items()}
             losses, z = vmap(loss_one)(theta, xs, cs)
-            grads.append(torch.autograd.grad(losses.sum(), list(theta.values()),
-                                             allow_unused=True, materialize_grads=True))
+            grads.append(torch.autograd.grad(
+                losses.sum(), list(theta.values()), materialize_grads=True))
             logits.append(z.detach())
         return {n: torch.cat(g) for n, g in zip(params, zip(*grads))}, torch.cat(logits)
 
@@ -198,7 +200,7 @@ def _without_fallback(fn):
     VMAP_FALLBACKS[op[1]] = VMAP_FALLBACKS.get(op[1], 0) + 1
     return fn()
 
-def at_least_fp32(t):  # bf16/fp16 -> fp32; fp32 and fp64 as they are
+def at_least_fp32(t):  # bf16/fp16 -> fp32; fp32, fp64 kept
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
@@ -246,8 +248,8 @@ def plpd(logits, shuffled_probs):
     y = p.argmax(-1, keepdim=True)
     return (p.gather(-1, y) - shuffled_probs.gather(-1, y)).squeeze(-1).detach()
 
-def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.4,
-                        num_classes=None):
+def confidence_weighted(
+        logits, shuffled_probs=None, *, ent=entropy, e_margin=0.4, num_classes=None):
     """EATA: exp(E0 − H)·H; DeYO (shuffled probs): (exp(E0 − H) + e^PLPD)·H."""
     H = ent(logits)
     # w = exp(E0 − H), E0 = e_margin·ln K, a constant weight (detached)
@@ -257,8 +259,7 @@ def confidence_weighted(logits, shuffled_probs=None, *, ent=entropy, e_margin=0.
     return w * H
 
 def patch_shuffle(x, grid, generator):
-    """x′: each image cut into grid×grid patches, shuffled by a permutation
-    of its own; pixels past the last full patch stay in place."""
+    """x′: each image's grid×grid patches in an order of its own (the rest stays)."""
     h, w = x.shape[-2] // grid, x.shape[-1] // grid  # one patch
     H, W = h * grid, w * grid  # the part cut into patches
     patches = F.unfold(x[..., :H, :W], (h, w), stride=(h, w))  # [B, ch·h·w, grid²]
@@ -316,7 +317,7 @@ class DPTTA(nn.Module):
                  patch_grid=4, num_classes=None, bn="train", bn_scale=0.5, bn_momentum=0.1,
                  bn_floor=0.1, bn_layers=None, accumulate=1, chunk_size=None):
         super().__init__()  # the arguments, checked in this order:
-        need(method in METHODS, f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        need(method in METHODS, f"unknown method {method!r}; one of {', '.join(METHODS)}")
         self.method, self.base = method, method.removeprefix("dp_")  # base: original
         self.private = private = method.startswith("dp_")
         need(eps is None or private, f"eps is for dp_ methods only, not {method}")
@@ -330,17 +331,18 @@ class DPTTA(nn.Module):
              f"{method} needs a finite lr > 0, got {lr}")
         need(privacy_unit in ("image", "photo"), "privacy_unit is 'image' or 'photo'")
         need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
-        need(bn in ("train", "source"), "bn is 'train' (test batch) or 'source' (frozen)")
+        need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         need(accumulate == 1 or method != "norm", "norm has nothing to accumulate")
         self.eps, self.delta, self.privacy_unit, self.repeats = eps, delta, privacy_unit, repeats
         self.sigma = calibrate_sigma(eps=eps or math.inf, delta=delta, repeats=repeats)
         self.clip, self.lr = clip and float(clip), lr and float(lr)
         self.bn, self.accumulate, self.fisher = bn, accumulate, fisher
-        self.hp = dict(e_margin=e_margin, d_margin=d_margin, rho=rho, reset_ema=reset_ema,
-                       deyo_margin=deyo_margin, plpd_threshold=plpd_threshold,
-                       patch_grid=patch_grid, fisher_lambda=fisher_lambda, num_classes=num_classes,
-                       bn_scale=bn_scale, bn_momentum=bn_momentum, bn_floor=bn_floor)
+        self.hp = dict(
+            e_margin=e_margin, d_margin=d_margin, rho=rho, reset_ema=reset_ema,
+            deyo_margin=deyo_margin, plpd_threshold=plpd_threshold, patch_grid=patch_grid,
+            fisher_lambda=fisher_lambda, num_classes=num_classes, bn_scale=bn_scale,
+            bn_momentum=bn_momentum, bn_floor=bn_floor)
         self.ent = entropy
         if self.base in COME_LOSS:
             self.ent = partial(come_entropy, num_classes=num_classes)
@@ -359,8 +361,7 @@ class DPTTA(nn.Module):
         elif self.base != "source":
             self.model_params = adaptable_params(model, skip_top=self.base in LOWER_NORMS,
                                                  private=clip is not None and bn == "train")
-            # θ: fp32 masters of a bf16/fp16 model's parameters (an update below bf16's step at
-            # 1.0, 2^-7, would round away), written back rounded after each step; else θ itself
+            # θ: fp32 masters of bf16/fp16 parameters (bf16 rounds an update < 2^-8 at 1 away)
             self.params = {n: at_least_fp32(p).requires_grad_()
                            for n, p in self.model_params.items()}
         need(fisher is None or set(fisher) == set(self.params),
@@ -376,13 +377,13 @@ class DPTTA(nn.Module):
         self.noise_gen = torch.Generator(device).manual_seed(seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed + 1)
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        self.tally = {}  # "nonfinite": samples left out for a non-finite g_i
+        self.tally = {}  # "nonfinite": samples dropped for a non-finite g_i
         self.reset()
 
     def _claim(self):  # one live adapter per model (two would share θ)
         taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED]
-        need(not taken, f"{', '.join(taken[:1])} is adapted by another live DPTTA (they "
-             "would share θ): pass copy.deepcopy(model), or del the other")
+        need(not taken, f"{', '.join(taken[:1])} is adapted by another live DPTTA: pass "
+             "copy.deepcopy(model), or del the other")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __setstate__(self, state):
@@ -395,15 +396,15 @@ class DPTTA(nn.Module):
 
     def get_extra_state(self):
         """In state_dict(): exact resume, noise where it stood (load it once)."""
-        return dict(method=self.method, sigma=self.sigma, theta=dict(self.params),
-                    theta0=self.theta0, opt=self.opt and self.opt.state_dict(),
-                    noise=self.noise_gen.get_state(), shuffle=self.shuffle_gen.get_state(),
-                    **{k: getattr(self, k) for k in self.STATE})
+        return dict(
+            method=self.method, sigma=self.sigma, theta=dict(self.params), theta0=self.theta0,
+            opt=self.opt and self.opt.state_dict(), noise=self.noise_gen.get_state(),
+            shuffle=self.shuffle_gen.get_state(), **{k: getattr(self, k) for k in self.STATE})
 
     def set_extra_state(self, state):
-        need((state["method"], state["sigma"]) == (self.method, self.sigma), f"a checkpoint of "
-             f"{state['method']} (σ = {state['sigma']:.4g}) cannot resume {self.method} (σ = "
-             f"{self.sigma:.4g})")
+        old = state["method"], state["sigma"]
+        need(old == (self.method, self.sigma), f"a checkpoint of {old[0]} (σ = {old[1]:.4g}) "
+             f"cannot resume {self.method} (σ = {self.sigma:.4g})")
         self._set_theta(state["theta"], state["theta0"])
         if self.opt:
             self.opt.load_state_dict(state["opt"])
@@ -467,7 +468,7 @@ class DPTTA(nn.Module):
 
     # -- the gradient: private (per sample, clipped, noised) or plain ----------
     def _grad(self, x, ctx, shift=None, keep=None, clip=True):  # (logits, Δ, kept)
-        theta = {n: (t if shift is None else t + shift[n]).detach() for n, t in self.params.items()}
+        theta = {n: (t + shift[n] if shift else t).detach() for n, t in self.params.items()}
         theta = {n: t.to(self.model_params[n].dtype).requires_grad_() for n, t in theta.items()}
         if self.clip is not None and clip:
             return self._private_grad(theta, x, ctx, keep)
@@ -475,8 +476,8 @@ class DPTTA(nn.Module):
 
     def _private_grad(self, theta, x, ctx, keep):
         # Δ = (Σ_i clip(g_i) + N(0, σ²C²I)) / B over the kept samples (dp_: all of them)
-        g, logits = per_sample_grads(self.model, theta, self.loss, x, ctx,
-                                     chunk_size=self.chunk_size)
+        g, logits = per_sample_grads(
+            self.model, theta, self.loss, x, ctx, chunk_size=self.chunk_size)
         keep = self._keep(logits, ctx, keep)
         if keep is not None:  # clip-only originals: B is data dependent
             if not keep.any():
@@ -495,8 +496,7 @@ class DPTTA(nn.Module):
         return logits, {n: at_least_fp32(t) for n, t in zip(theta, g)}, keep
 
     def _guard_nonfinite(self, theta, logits, x, ctx, keep):
-        """Guard: non-finite samples (0·NaN = NaN in backward) dropped, counted,
-        the rest forwarded again: (their logits, use, ctx, keep)."""
+        """Guard: non-finite samples (0·NaN = NaN in backward) dropped, counted; the rest re-run."""
         finite = torch.isfinite(logits).all(-1)
         use = finite if keep is None else keep & finite  # what the loss averages
         if finite.all():
@@ -581,8 +581,8 @@ class DPTTA(nn.Module):
         mean, var = self.bn_src[name]
         v = bn_moments(args[0], mean, var, bn.eps)
         # (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B, c = scale·√(2C): a (2/σ_l)-GDP release
-        s = clip_and_noise({"v": v}, self.hp["bn_scale"] * math.sqrt(v.shape[1]), self.sigma,
-                           self.noise_gen)["v"]
+        c = self.hp["bn_scale"] * math.sqrt(v.shape[1])
+        s = clip_and_noise({"v": v}, c, self.sigma, self.noise_gen)["v"]
         m, v = s[:len(mean)], s[len(mean):] + 1 - s[:len(mean)] ** 2  # E z, E[z²] − (E z)²
         k, (m0, v0) = self.hp["bn_momentum"], self.bn_ema[name]  # EMA: ← (1 − k)·old + k·new
         m, v = (1 - k) * m0 + k * m, ((1 - k) * v0 + k * v).clamp(min=self.hp["bn_floor"])
@@ -630,27 +630,23 @@ def reached_once(seen, path, node=None):
         st = os.stat(path)
         node = st.st_dev, st.st_ino
     first = seen.setdefault(node, path)
-    need(first == path, f"{path} is {first} again (a link?): an image is in a stream once; "
-         "remove the link or copy the file")
+    need(first == path, f"{path} is {first} again (a link?): an image is in a stream once")
 
 class WnidFolder(ImageFolder):
-    """ImageFolder, targets: ImageNet-1k indices by WordNet id (a subset of
-    classes scores right); an unreadable image is (None, path), no crash."""
+    """ImageFolder, ImageNet-1k targets by wnid (any subset); unreadable: (None, path)."""
 
     def __init__(self, root, transform=None):
-        super().__init__(root, transform)  # raises: no class folder, or an empty one
+        super().__init__(root, transform)  # raises: no class folder, an empty one
         index = {w: i for i, w in enumerate(timm.data.ImageNetInfo().label_names())}
         unknown = [c for c in self.classes if c not in index]
         if unknown:
-            raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; "
-                             f"{LAYOUT}")
+            raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; {LAYOUT}")
         self.imagenet_index = [index[c] for c in self.classes]
 
-    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None,
-                     allow_empty=False):
-        """ImageFolder's listing, refusing a path reached twice (a link, a
-        loop); self.nodes {(device, inode): path}: for Mixed, no stat again."""
-        self.nodes = {}
+    def make_dataset(
+            self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
+        """ImageFolder's listing; a path reached twice (a link, a loop) refused."""
+        self.nodes = {}  # {(device, inode): path}, for Mixed
         once = partial(reached_once, self.nodes)
         once(directory)
         valid = is_valid_file or partial(has_file_allowed_extension, extensions=extensions)
@@ -685,12 +681,11 @@ def collate_skipping(batch):
     if not good:
         return None, None, bad
     blank = (torch.zeros_like(good[0][0]), -1)
-    return (*default_collate([b if b[0] is not None else blank for b in batch]), bad)
+    return (*default_collate([blank if b[0] is None else b for b in batch]), bad)
 
-def image_stream(dataset, batch_size, *, seed, workers, limit=None, pin_memory=False,
-                 order="random"):
-    """A DataLoader over a seeded shuffle's first `limit` images in `order`:
-    "random", "class" (SAR's label shift) or "dirichlet:ALPHA" (RoTTA's)."""
+def image_stream(
+        dataset, batch_size, *, seed, workers, limit=None, pin_memory=False, order="random"):
+    """A seeded shuffle's first `limit` images; order: random, class or dirichlet:ALPHA."""
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(dataset), generator=gen)[:limit]
     labels = np.asarray(dataset.targets)[perm.numpy()]
@@ -717,9 +712,9 @@ class Mixed(torch.utils.data.ConcatDataset):
         super().__init__(list(streams.values()))
         # one stream: no file in two corruptions' folders
         once = partial(reached_once, {})
-        for node, path in (n for part in self.datasets for n in part.nodes.items()):
+        for node, path in (n for ds in self.datasets for n in ds.nodes.items()):
             once(path, node)
-        self.targets = [p.imagenet_index[t] for p in self.datasets for t in p.targets]
+        self.targets = [ds.imagenet_index[t] for ds in self.datasets for t in ds.targets]
 
     def __getitem__(self, i):
         x, y = super().__getitem__(i)
@@ -756,52 +751,53 @@ def fisher_information(model, params, images, n=2000):
     return {k: f / max(batches, 1) for k, f in fisher.items()}
 
 # -- The paper's hyperparameters --------------------------------------------
-# ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream
-PAPER_DP = {  # setting -> method -> {ε: (C, lr)}
-    "continual": {
-        "dp_tent": {20: (0.1, 0.1), 15: (0.1, 0.05), 10: (0.1, 0.05), 5: (1, 1e-3), 1: (0.1, 5e-3)},
-        "dp_eata": {20: (1, 0.01), 15: (1, 5e-3), 10: (1, 5e-3), 5: (10, 1e-4), 1: (0.1, 5e-3)},
-        "dp_sar": {20: (10, 5e-4), 15: (10, 5e-4), 10: (15, 1e-4), 5: (15, 1e-4), 1: (5, 1e-4)},
-        "dp_deyo": {20: (10, 5e-5), 15: (10, 5e-5), 10: (1, 5e-4), 5: (0.1, 5e-3), 1: (0.1, 5e-3)},
-        "dp_deyo_come": {20: (10, 1e-3), 15: (5, 1e-3), 10: (1, 5e-3), 5: (5, 1e-3),
-                         1: (0.1, 5e-3)}},
-    "episodic": {
-        "dp_tent": {20: (1, 0.05), 15: (0.1, 0.5), 10: (0.1, 0.1), 5: (0.1, 0.1), 1: (1, 1e-3)},
-        "dp_eata": {20: (10, 5e-3), 15: (0.1, 0.5), 10: (0.1, 0.5), 5: (0.1, 0.1), 1: (0.1, 0.01)},
-        "dp_sar": {20: (1, 0.05), 15: (10, 1e-3), 10: (1, 0.01), 5: (0.1, 0.1), 1: (0.1, 0.01)},
-        "dp_deyo": {20: (1, 0.01), 15: (1, 0.01), 10: (10, 1e-3), 5: (0.1, 0.1), 1: (0.1, 1e-3)},
-        "dp_deyo_come": {20: (10, 5e-3), 15: (1, 0.05), 10: (0.1, 0.1), 5: (0.1, 0.1),
-                         1: (0.1, 0.01)}}}
-PAPER_CLIP_ONLY = {  # originals, filters kept, per-sample clip, no noise: (C, lr)
-    "continual": {"tent": (0.1, 0.5), "eata": (0.1, 0.5), "sar": (1, 0.1), "deyo": (10, 0.01),
-                  "deyo_come": (20, 0.01)},
-    "episodic": {"tent": (1, 0.1), "eata": (30, 5e-3), "sar": (5, 0.05), "deyo": (35, 5e-3),
-                 "deyo_come": (20, 0.01)}}
-PAPER_LR = {  # non-private originals
-    "continual": {"tent": 1e-4, "eata": 5e-4, "sar": 5e-3, "deyo": 5e-4, "deyo_come": 5e-4},
-    "episodic": {"tent": 1e-3, "eata": 1e-3, "sar": 5e-3, "deyo": 1e-3, "deyo_come": 1e-3}}
+# ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream.
+# PAPER_DP: setting -> method -> dp_<method>'s (C, lr) at each of TUNED_EPS
+TUNED_EPS = (20, 15, 10, 5, 1)
+PAPER_DP = dict(
+    continual=dict(
+        tent=[(0.1, 0.1), (0.1, 0.05), (0.1, 0.05), (1, 1e-3), (0.1, 5e-3)],
+        eata=[(1, 0.01), (1, 5e-3), (1, 5e-3), (10, 1e-4), (0.1, 5e-3)],
+        sar=[(10, 5e-4), (10, 5e-4), (15, 1e-4), (15, 1e-4), (5, 1e-4)],
+        deyo=[(10, 5e-5), (10, 5e-5), (1, 5e-4), (0.1, 5e-3), (0.1, 5e-3)],
+        deyo_come=[(10, 1e-3), (5, 1e-3), (1, 5e-3), (5, 1e-3), (0.1, 5e-3)]),
+    episodic=dict(
+        tent=[(1, 0.05), (0.1, 0.5), (0.1, 0.1), (0.1, 0.1), (1, 1e-3)],
+        eata=[(10, 5e-3), (0.1, 0.5), (0.1, 0.5), (0.1, 0.1), (0.1, 0.01)],
+        sar=[(1, 0.05), (10, 1e-3), (1, 0.01), (0.1, 0.1), (0.1, 0.01)],
+        deyo=[(1, 0.01), (1, 0.01), (10, 1e-3), (0.1, 0.1), (0.1, 1e-3)],
+        deyo_come=[(10, 5e-3), (1, 0.05), (0.1, 0.1), (0.1, 0.1), (0.1, 0.01)]))
+# clip-only: the originals, filters kept, per-sample clip, no noise: (C, lr)
+PAPER_CLIP_ONLY = dict(
+    continual=dict(tent=(0.1, 0.5), eata=(0.1, 0.5), sar=(1, 0.1), deyo=(10, 0.01),
+                   deyo_come=(20, 0.01)),
+    episodic=dict(tent=(1, 0.1), eata=(30, 5e-3), sar=(5, 0.05), deyo=(35, 5e-3),
+                  deyo_come=(20, 0.01)))
+PAPER_LR = dict(  # non-private originals
+    continual=dict(tent=1e-4, eata=5e-4, sar=5e-3, deyo=5e-4, deyo_come=5e-4),
+    episodic=dict(tent=1e-3, eata=1e-3, sar=5e-3, deyo=1e-3, deyo_come=1e-3))
 # Constants the paper's scripts ran that differ from the originals' (filters only, so they
 # matter for the originals and clip-only runs): SAR's E0 = 0.5·ln K, DeYO's τ_PLPD = 0.3.
-PAPER_CONSTANTS = {"sar": {"e_margin": 0.5}, "deyo": {"plpd_threshold": 0.3},
-                   "deyo_come": {"plpd_threshold": 0.3}}
+PAPER_CONSTANTS = dict(
+    sar={"e_margin": 0.5}, deyo={"plpd_threshold": 0.3}, deyo_come={"plpd_threshold": 0.3})
 # Method constants settable with --hp NAME=VALUE (DPTTA's keywords, and EATA's Fisher size):
 # name -> (type, low, high), the open interval each must lie in
 inf = math.inf
-HP_TYPES = dict(e_margin=(float, 0, inf), d_margin=(float, 0, inf), rho=(float, 0, inf),
-                reset_ema=(float, -inf, inf), deyo_margin=(float, 0, inf),
-                plpd_threshold=(float, -1, 1), patch_grid=(int, 1, inf),
-                fisher_lambda=(float, 0, inf), fisher_size=(int, 0, inf), num_classes=(int, 1, inf),
-                bn_scale=(float, 0, inf), bn_momentum=(float, 0, math.nextafter(1, 2)),
-                bn_floor=(float, -inf, inf), bn_layers=(int, 0, inf))
+HP_TYPES = dict(
+    e_margin=(float, 0, inf), d_margin=(float, 0, inf), rho=(float, 0, inf),
+    reset_ema=(float, -inf, inf), deyo_margin=(float, 0, inf), plpd_threshold=(float, -1, 1),
+    patch_grid=(int, 1, inf), fisher_lambda=(float, 0, inf), fisher_size=(int, 0, inf),
+    num_classes=(int, 1, inf), bn_scale=(float, 0, inf), bn_floor=(float, -inf, inf),
+    bn_momentum=(float, 0, math.nextafter(1, 2)), bn_layers=(int, 0, inf))
 
 def constants_used(method, fisher=False):
     """The --hp names that change a run of `method` (filters' where they run)."""
     base, deyo = method.removeprefix("dp_"), "deyo_margin plpd_threshold"
-    filters = dict(eata="e_margin d_margin", sar="e_margin reset_ema", deyo=deyo,
-                   deyo_come=deyo)
+    filters = dict(
+        eata="e_margin d_margin", sar="e_margin reset_ema", deyo=deyo, deyo_come=deyo)
     uses = [(base == "sar", "rho"), (base in SHUFFLED, "patch_grid"),
             (method == "dp_norm", "bn_scale bn_momentum bn_floor bn_layers"),
-            (base in WEIGHTED, "e_margin num_classes"),  # exp(E0 − H), E0 = e_margin·ln K
+            (base in WEIGHTED, "e_margin num_classes"),  # E0 = e_margin·ln K
             (base in COME_LOSS, "num_classes"),  # COME's u = K/S
             (fisher and base == "eata", "fisher_lambda fisher_size"),
             (method in filters, f"{filters.get(method)} num_classes")]
@@ -812,28 +808,32 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
     private, base = method.startswith("dp_"), method.removeprefix("dp_")
     if base in ("source", "norm"):
         return None, None, "no gradient step"
-    table_base, note = base, ""
-    if base == "come":  # tuned only inside DeYO; Tent shares its all-norms setup
-        table_base, note = "tent", "; no entry for COME alone, Tent's used"
-    if (private and math.isinf(eps)) or (not private and clip is not None):
-        return (*PAPER_CLIP_ONLY[setting][table_base], f"paper, clip-only {table_base}, "
-                f"{setting}{note}")
-    if not private:
-        where = f"paper, non-private {table_base}, {setting}{note}"
-        return None, PAPER_LR[setting][table_base], where
-    row = PAPER_DP[setting]["dp_" + table_base]
-    near = min(row, key=lambda e: abs(math.log(e / eps)))  # the nearest tuned ε, log scale
+    table, note = base, ""
+    # COME was tuned only inside DeYO; Tent shares its all-norms setup
+    if base == "come":
+        table, note = "tent", "; no entry for COME alone, Tent's used"
+    if not private and clip is None:
+        return None, PAPER_LR[setting][table], f"paper, non-private {table}, {setting}{note}"
+    if not private or math.isinf(eps):
+        C, lr = PAPER_CLIP_ONLY[setting][table]
+        return C, lr, f"paper, clip-only {table}, {setting}{note}"
+    near = min(TUNED_EPS, key=lambda e: abs(math.log(e / eps)))  # nearest, log scale
     if near != eps:
         note += f"; ε={eps:g} not tuned, nearest tuned ε={near} (log scale) used"
-    return (*row[near], f"paper, dp_{table_base} ε={near}, {setting}{note}")
+    C, lr = PAPER_DP[setting][table][TUNED_EPS.index(near)]
+    return C, lr, f"paper, dp_{table} ε={near}, {setting}{note}"
 
 # -- The command line --------------------------------------------------------
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
-STOP = []  # signals received: checked by the stream loop
+# signals received, checked by the stream loop
+STOP = []
 
-def fail(msg):  # a bad input: one line on stderr, exit 2
+def fail(msg, code=2):  # one line on stderr; exit 2 (bad input) or code
     print(f"dptta: error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
+
+def warn(msg):  # one line on stderr; the run goes on
+    print(f"dptta: warning: {msg}", file=sys.stderr)
 
 def require(ok, msg):
     if not ok:
@@ -842,25 +842,22 @@ def require(ok, msg):
 def one_line(e):  # an exception's message on one line
     return " ".join(str(e).split()) or type(e).__name__
 
-def or_fail(make, *args, **kwargs):  # make(...), or its ValueError: exit 2
+def or_fail(make, *args, **kwargs):  # make(...); a ValueError: exit 2
     try:
         return make(*args, **kwargs)
     except ValueError as e:
         fail(str(e))
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 too
-        fail(message)
-
 def parse_args(argv=None):
-    ap = Parser(description="Differentially private test-time adaptation on ImageNet-C/-R.")
+    ap = argparse.ArgumentParser(description=__doc__.partition(".")[0])
+    ap.error = fail  # a bad flag: one line, exit 2 too
     g = ap.add_argument_group("method and privacy").add_argument
     g("--method", default="dp_tent", choices=METHODS, help="default dp_tent")
     g("--eps", type=float, help="ε of a dp_ method; inf: clip only (default 5)")
     g("--delta", type=float, help="δ of a dp_ method (default 1e-6)")
     g("--privacy-unit", default="image", choices=("image", "photo"), help="photo: σ·√streams")
-    g("--clip", type=float, help="per-sample clip C (default: the paper's); an original: clip-only")
-    g("--lr", type=float, help="SGD-momentum learning rate (default: the paper's)")
+    g("--clip", type=float, help="per-sample clip C (default: paper's); originals: clip-only")
+    g("--lr", type=float, help="SGD learning rate (default: paper's)")
     g("--hp", action="append", default=[], metavar="NAME=VALUE",
       help=f"a method constant: {', '.join(HP_TYPES)}")
     g = ap.add_argument_group("data").add_argument
@@ -877,7 +874,7 @@ def parse_args(argv=None):
     g("--checkpoint", help="local weights for --model")
     g("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if any")
     g("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast on CUDA")
-    g("--bn", choices=("train", "source"), help="BatchNorm: test batch or source statistics")
+    g("--bn", choices=("train", "source"), help="BatchNorm: test batch or source stats")
     g = ap.add_argument_group("run").add_argument
     g("--setting", default="continual", choices=("continual", "episodic", "mixed"),
       help="episodic: reset before each corruption; mixed: all in one stream")
@@ -891,7 +888,7 @@ def parse_args(argv=None):
     g("--log-every", type=int, default=100, help="a progress line per N batches")
     g = ap.add_argument_group("tools").add_argument
     g("--summarize", metavar="JSONL", help="the paper-style tables of a file")
-    g("--per-corruption", action="store_true", help="--summarize: a table per corruption")
+    g("--per-corruption", action="store_true", help="--summarize: per corruption too")
     g("--error", action="store_true", help="--summarize: error %%, not top-1")
     g("--benchmark", action="store_true", help="time a step of every method")
     g("--rounds", type=int, help="--benchmark: timed rounds (default 5)")
@@ -940,14 +937,13 @@ def check_common(args, mode=None):
         check_model(args.model)
     require(args.seed < 2 ** 63, f"--seed must be < 2**63, got {args.seed}")
     require(args.device != "cuda" or torch.cuda.is_available(),
-            "--device cuda, but no CUDA device is visible")
+            "--device cuda: no CUDA device is visible")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = "bf16" if args.amp == "bf16" and args.device == "cuda" else "fp32"
 
 def check_args(args):
-    """Every flag checked, defaults filled in; anything wrong: one line, exit
-    2 (folders and weights when opened, still before the first image)."""
+    """Every flag checked, defaults filled in; wrong: one line, exit 2."""
     check_common(args)
     private, base = args.method.startswith("dp_"), args.method.removeprefix("dp_")
     hint = f" (try dp_{args.method})" if args.method != "source" else ""
@@ -955,7 +951,7 @@ def check_args(args):
             f"--eps applies to dp_ methods only; {args.method} is not private{hint}")
     if private and args.eps is None:
         args.eps = 5.0
-    noisy = private and math.isfinite(args.eps)  # a flag that changes nothing: refused
+    noisy = private and math.isfinite(args.eps)  # a flag changing nothing: refused
     require(args.delta is None or noisy, "--delta applies to a dp_ method with a finite --eps")
     if noisy and args.delta is None:
         args.delta = 1e-6
@@ -964,18 +960,20 @@ def check_args(args):
     stateless = base in ("source", "norm")
     require(not stateless or (args.clip, args.lr, args.bn) == (None, None, None),
             f"{args.method} takes no gradient step: --clip, --lr and --bn do not apply")
-    if args.fisher_data and base != "eata":  # EXTRA of a grid passes it to every cell
-        print(f"note: --fisher-data is for eata and dp_eata only; {args.method} ignores it")
+    # EXTRA of a grid passes --fisher-data to every cell
+    if args.fisher_data and base != "eata":
+        print(f"note: --fisher-data is for eata and dp_eata; {args.method} ignores it")
         args.fisher_data = None
     kind, _, alpha = args.order.partition(":")
     require(args.order in ("random", "class") or kind == "dirichlet" and _positive(alpha),
-            f"--order is random, class or dirichlet:ALPHA with ALPHA > 0, got {args.order!r}")
+            f"--order is random, class or dirichlet:ALPHA (ALPHA > 0), got {args.order!r}")
     for flag in ("repeat", "accumulate"):
         require(getattr(args, flag) == 1 or not stateless,
                 f"--{flag}: {args.method} keeps no state, so it changes nothing")
     require(args.repeat == 1 or args.setting != "episodic",
             "--repeat is for continual or mixed streams (episodic resets)")
-    require(args.severity is None or args.dataset == "imagenet_c", "--severity: ImageNet-C only")
+    require(args.severity is None or args.dataset == "imagenet_c",
+            "--severity: ImageNet-C only")
     args.severity = args.severity or 5
     require(1 <= args.severity <= 5, f"--severity must be in 1..5, got {args.severity}")
     args.hp = parse_hp(args.hp)
@@ -986,14 +984,16 @@ def check_args(args):
     require(args.corruptions, "--corruptions is empty")
     known = CORRUPTIONS + HELD_OUT
     for c in args.corruptions:
-        require(c in known, f"unknown corruption {c!r}; choose from {', '.join(known)}")
-    require(len(set(args.corruptions)) == len(args.corruptions), "--corruptions repeats one")
+        require(c in known, f"unknown corruption {c!r}; one of {', '.join(known)}")
+    require(len(set(args.corruptions)) == len(args.corruptions),
+            "--corruptions repeats one")
     if args.dataset == "imagenet_r":
         require(not args.synthetic, "--synthetic makes ImageNet-C trees, not ImageNet-R")
         args.corruptions = ["imagenet_r"]
     if args.synthetic and args.corruptions == list(CORRUPTIONS):  # a short smoke run
         args.corruptions = args.corruptions[:3]
-    require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
+    require(args.synthetic or args.data,
+            f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
     require(args.synthetic or os.path.isdir(args.data),
             f"--data {args.data} is not a folder; {LAYOUT}")
     for flag, fits, kind in (("checkpoint", os.path.isfile, "a file"),
@@ -1014,7 +1014,7 @@ def check_out(args, default):
     """--out (or default): a writable file, or one its folder can hold."""
     args.out = args.out or default
     folder = os.path.dirname(os.path.abspath(args.out))
-    require(not os.path.isdir(args.out), f"--out {args.out} is a folder, not a file")
+    require(not os.path.isdir(args.out), f"--out {args.out} is a folder")
     require(os.path.isdir(folder), f"--out {args.out}: its folder does not exist")
     require(os.access(args.out if os.path.exists(args.out) else folder, os.W_OK),
             f"--out {args.out} is not writable")
@@ -1037,7 +1037,7 @@ def open_folder(folder):
 
 def open_streams(corruptions, root, severity):
     """{corruption: WnidFolder}, all scanned before the first image."""
-    return {c: open_folder(root if c == "imagenet_r" else os.path.join(root, c, str(severity)))
+    return {c: open_folder(os.path.join(root, c, str(severity)) if c != "imagenet_r" else root)
             for c in corruptions}
 
 def build_model(name, checkpoint=None, random_weights=False):
@@ -1047,8 +1047,8 @@ def build_model(name, checkpoint=None, random_weights=False):
     except Exception as e:  # no network, no cache, ...
         cfg = timm.models.get_pretrained_cfg(name)
         where = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or name
-        fail(f"cannot load the weights of {name} ({where}): {one_line(e)}; offline: pass "
-             "--checkpoint PATH, or HF_HUB_OFFLINE=1 to use a local cache")
+        fail(f"cannot load {name}'s weights ({where}): {one_line(e)}; offline: pass "
+             "--checkpoint PATH, or HF_HUB_OFFLINE=1 for a local cache")
     if checkpoint:
         try:
             timm.models.load_checkpoint(model, checkpoint)
@@ -1071,7 +1071,7 @@ def run_key(args):
                               mtime=int(st.st_mtime))
     key.update(fisher_data=args.fisher_data and os.path.abspath(args.fisher_data),
                dtype=args.dtype)
-    return json.loads(json.dumps(jsonable(key)))  # as it reads back (lists, not tuples)
+    return json.loads(json.dumps(jsonable(key)))  # as read back: lists, not tuples
 
 def jsonable(x):
     """x with non-finite floats as "inf", "-inf", "nan" (JSON has none)."""
@@ -1099,16 +1099,14 @@ def read_jsonl(path, flag):
                 records.append(record)
             else:
                 damaged.append(n)
-    require(records or not damaged, f"{path} holds no JSON line: not a JSONL file?")
+    require(records or not damaged, f"{path} has no JSON line: not a JSONL file?")
     if damaged:
-        lines = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
-        print(f"dptta: warning: {path}: skipped {len(damaged)} damaged line(s) ({lines})",
-              file=sys.stderr)
+        lines = ", ".join(map(str, damaged[:5])) + ", ..." * (len(damaged) > 5)
+        warn(f"{path}: skipped {len(damaged)} damaged line(s) ({lines})")
     return records
 
 def append_jsonl(path, record):
-    """Appends one whole JSON line (a newline first if the last is unended:
-    a crash, a full disk); a failed write prints the record, exits 4."""
+    """Appends one whole JSON line (ending an unended last one); failing: prints it, exit 4."""
     text = json.dumps(jsonable(record), allow_nan=False)
     line = (text + "\n").encode()
     try:
@@ -1117,32 +1115,31 @@ def append_jsonl(path, record):
             end = os.fstat(fd).st_size
             if end and os.pread(fd, 1, end - 1) != b"\n":
                 line = b"\n" + line
-            while line:  # O_APPEND: lines never interleave; short writes go on
+            # O_APPEND: lines never interleave; a short write goes on
+            while line:
                 line = line[os.write(fd, line):]
         finally:
             os.close(fd)
     except OSError as e:
         print(text, flush=True)
-        print(f"dptta: error: cannot write {path} ({e.strerror}); the record is above",
-              file=sys.stderr)
-        sys.exit(4)
+        fail(f"cannot write {path} ({e.strerror}); the record is above", 4)
 
-def privacy_ledger(adapter, streams, rounds=1):
-    """What is promised, to whom, in numbers (rounds: --repeat)."""
-    if not adapter.private:
-        return dict(private=False, clip=adapter.clip)
-    if adapter.sigma == 0:
+def privacy_ledger(a, streams, rounds=1):
+    """What adapter a promises, to whom, in numbers (rounds: --repeat)."""
+    if not a.private:
+        return dict(private=False, clip=a.clip)
+    if a.sigma == 0:
         return dict(private=False, clip_only=True, note="clip only, not private",
-                    eps=adapter.eps, clip=adapter.clip)
-    s, d = adapter.sigma / math.sqrt(adapter.releases), adapter.delta  # a step's σ
+                    eps=a.eps, clip=a.clip)
+    s, d = a.sigma / math.sqrt(a.releases), a.delta  # a step's σ
     steps = "one step" if rounds == 1 else f"{rounds} steps"
     unit = f"one test image, replace-one neighbours, used in {steps}"
     k = streams * rounds  # k steps see a photo: μ√k-GDP, i.e. σ/√k
-    if adapter.privacy_unit == "photo":
+    if a.privacy_unit == "photo":
         unit = f"one photo, replace-one neighbours, in its {k} streams"
-    return dict(private=True, eps=adapter.eps, delta=d, sigma=s, mu=2 / s, clip=adapter.clip,
-                privacy_unit=adapter.privacy_unit, unit=unit, repeats=k, rounds=rounds,
-                releases=adapter.releases, sigma_per_release=adapter.sigma,
+    return dict(private=True, eps=a.eps, delta=d, sigma=s, mu=2 / s, clip=a.clip,
+                privacy_unit=a.privacy_unit, unit=unit, repeats=k, rounds=rounds,
+                releases=a.releases, sigma_per_release=a.sigma,
                 eps_per_test_image=gdp_epsilon(sigma=s / math.sqrt(rounds), delta=d),
                 eps_per_underlying_image=gdp_epsilon(sigma=s / math.sqrt(k), delta=d))
 
@@ -1152,7 +1149,7 @@ def wild(settings):
     return "".join(f" | {k} {settings.get(k, v)}" for k, v in plain.items()
                    if settings.get(k, v) != v)
 
-def print_header(args, adapter, ledger, device, hp_note):
+def print_header(args, a, ledger, device, hp_note):
     where = device.type
     if device.type == "cuda":
         where += f" ({torch.cuda.get_device_name(device)})"
@@ -1163,29 +1160,28 @@ def print_header(args, adapter, ledger, device, hp_note):
     print(f"data: {args.data} | {args.dataset} severity {args.severity} | "
           f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | "
           f"seed {args.seed}{wild(vars(args))}")
-    clip = f"C = {adapter.clip:g} [{hp_note['clip']}]" if adapter.clip else ""
+    clip = f"C = {a.clip:g} [{hp_note['clip']}]" if a.clip else ""
     if args.method == "dp_norm":  # L releases per image: σ_l = √L·σ each
-        clip = (f"L = {adapter.releases} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}, "
-                f"moments clipped to {adapter.hp['bn_scale']:g}·√(2·channels)")
+        clip = (f"L = {a.releases} BN layers, each σ_l = √L·σ = {a.sigma:.4f}, "
+                f"moments clipped to {a.hp['bn_scale']:g}·√(2·channels)")
     if ledger["private"]:
-        print(f"privacy: ({args.eps:g}, {args.delta:g})-DP per {adapter.privacy_unit}: "
-              f"σ = {ledger['sigma']:.4f}, μ = 2/σ = {ledger['mu']:.4f}-GDP per test image, "
-              f"{clip}\n  unit: {ledger['unit']}; released: adapted θ and every prediction "
-              "for other images")
+        print("privacy: ({eps:g}, {delta:g})-DP per {privacy_unit}: σ = {sigma:.4f}, μ = 2/σ = "
+              "{mu:.4f}-GDP per test image, {what}\n  unit: {unit}; released: adapted θ and "
+              "every prediction for other images".format(**ledger, what=clip))
         if ledger["repeats"] > 1:
-            print(f"  per test image ε = {ledger['eps_per_test_image']:.3g}; per photo in all "
-                  f"{ledger['repeats']} streams (μ√k) ε = {ledger['eps_per_underlying_image']:.3g}")
+            print("  per test image ε = {eps_per_test_image:.3g}; per photo in all {repeats} "
+                  "streams (μ√k) ε = {eps_per_underlying_image:.3g}".format(**ledger))
     elif ledger.get("clip_only"):
         print(f"privacy: NONE: clip only (eps = inf), not private; {clip}")
     elif args.method != "source":
-        print(f"not private; {'per-sample clip ' + clip if adapter.clip else 'no clipping'}")
-    if adapter.params:
-        n = sum(p.numel() for p in adapter.params.values())
+        print(f"not private; {'per-sample clip ' + clip if clip else 'no clipping'}")
+    if a.params:
+        n = sum(p.numel() for p in a.params.values())
         hp = "".join(f" | {k}={v:g}" for k, v in args.hp.items())
-        print(f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting "
-              f"{len(adapter.params)} tensors, {n:,} scalars{hp}")
+        print(f"lr {a.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting "
+              f"{len(a.params)} tensors, {n:,} scalars{hp}")
     if "bn" in ledger:
-        print(f"BatchNorm: {adapter.bn} (train: the test batch's statistics; source: frozen)")
+        print(f"BatchNorm: {a.bn} (train: the test batch's statistics; source: frozen)")
 
 def _stop(signum, frame):
     STOP.append(signum)
@@ -1194,26 +1190,25 @@ def _stop(signum, frame):
 def rate(n, seconds):
     return f"{n / max(seconds, 1e-9):.3g} img/s"
 
-def stop_unless_finite(adapter, where, *tensors):
-    """θ and the tensors (logits) are finite (one device sync), or exit 3."""
-    tensors = (*adapter.params.values(), *tensors)
+def stop_unless_finite(a, where, *tensors):
+    """Adapter a's θ and the tensors (logits) are finite (one sync), or exit 3."""
+    tensors = (*a.params.values(), *tensors)
     checks = [torch.isfinite(t.detach()).all() for t in tensors]
     if checks and not torch.stack(checks).all():
-        print(f"dptta: error: θ or the logits are not finite after {where} (lr or clip too "
-              "large?); stopped, no record of this corruption or run", file=sys.stderr)
-        sys.exit(3)
+        fail(f"θ or the logits are not finite after {where} (lr or clip too large?); "
+             "stopped, no record of this corruption or run", 3)
 
 def autocast(args):  # bf16 on CUDA (clip, noise and step stay fp32)
     return torch.autocast(args.device, torch.bfloat16, enabled=args.dtype == "bf16")
 
-def stream_through(adapter, loader, c, *, args, lookup, groups=1):
-    """A stream through the adapter: (correct, scored) per group (a mixed
-    stream's corruptions, carried by labels; else one), unreadable paths."""
+def stream_through(a, loader, c, *, args, lookup, groups=1):
+    """Adapter a on loader: (correct, scored) per group (mixed: by label), unreadable."""
     device = args.device
     correct, scored = torch.zeros(2, groups, dtype=torch.long, device=device)
     unreadable, t0 = [], time.time()
     for i, (x, y, bad) in enumerate(loader):
-        if STOP:  # a signal a DataLoader swallowed: stop all the same
+        # a signal that a DataLoader worker swallowed: stop all the same
+        if STOP:
             raise KeyboardInterrupt
         for path in bad:
             print(f"  unreadable, skipped: {path}", flush=True)
@@ -1221,14 +1216,15 @@ def stream_through(adapter, loader, c, *, args, lookup, groups=1):
         if x is None:
             continue
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if lookup is not None:  # ImageNet-1k index -> index among those scored
+        # ImageNet-1k index -> index among those scored
+        if lookup is not None:
             y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
         group = torch.where(y >= 0, y // Mixed.TAG, 0)
         y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1): never scored
         with autocast(args):
-            logits = adapter(x)
+            logits = a(x)
         # NaN logits would predict class 0
-        stop_unless_finite(adapter, f"batch {i + 1} of {c}", logits)
+        stop_unless_finite(a, f"batch {i + 1} of {c}", logits)
         correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
         scored += torch.bincount(group[y >= 0], minlength=groups)
         if (i + 1) % args.log_every == 0:
@@ -1237,8 +1233,9 @@ def stream_through(adapter, loader, c, *, args, lookup, groups=1):
             print(f"  {c} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% "
                   f"{rate(seen, time.time() - t0)}", flush=True)
     with autocast(args):
-        adapter.flush()  # the last, partial accumulate window steps too
-    stop_unless_finite(adapter, f"the last step of {c}")
+        # the last, partial accumulate window steps too
+        a.flush()
+    stop_unless_finite(a, f"the last step of {c}")
     return correct.tolist(), scored.tolist(), unreadable
 
 def main(argv=None):
@@ -1254,11 +1251,8 @@ def main(argv=None):
     device = torch.device(args.device)
     tuned_on = {"mixed": "continual"}.get(args.setting, args.setting)
     C, lr, source = paper_hparams(args.method, args.eps, tuned_on, args.clip)
-    hp_note = {"clip": "given", "lr": "given"}
-    for flag, paper in (("clip", C), ("lr", lr)):
-        if getattr(args, flag) is None:
-            setattr(args, flag, paper)
-            hp_note[flag] = source
+    hp_note = {k: "given" if getattr(args, k) else source for k in ("clip", "lr")}
+    args.clip, args.lr = args.clip or C, args.lr or lr
     key = run_key(args)
     run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
     state = f"{args.out}.{run_hash}.pt"
@@ -1272,12 +1266,12 @@ def main(argv=None):
         try:  # a killed run's state
             resume = torch.load(state, map_location=device)
         except Exception as e:
-            print(f"dptta: warning: {state} is damaged ({one_line(e)}); starting afresh",
-                  file=sys.stderr)
+            warn(f"{state} is damaged ({one_line(e)}); starting afresh")
     handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     STOP.clear()
     try:
-        with contextlib.ExitStack() as cleanup:  # temp trees go on every exit path
+        # the temporary tree goes on every exit path
+        with contextlib.ExitStack() as cleanup:
             if args.synthetic:
                 tree = tempfile.TemporaryDirectory(prefix="dptta-synthetic-")
                 args.data = cleanup.enter_context(tree)
@@ -1285,16 +1279,15 @@ def main(argv=None):
             return adapt_and_record(args, key, device, hp_note, state, resume)
     except KeyboardInterrupt:
         signum = (STOP or [signal.SIGINT])[0]
-        print(f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are in "
-              f"{args.out}, no final record (--resume goes on)", file=sys.stderr)
+        print(f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are "
+              f"in {args.out}, no final record (--resume goes on)", file=sys.stderr)
         return 128 + signum
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
 
 def adapt_and_record(args, key, device, hp_note, state, resume=None):
-    """Opens every input, then adapts; after each corruption its record and
-    the adapter's state for --resume (its noise where it stood)."""
+    """Opens every input, then adapts; records and saves after each stream."""
     streams = open_streams(args.corruptions, args.data, args.severity)
     fisher_set = args.fisher_data and open_folder(args.fisher_data)
     model = build_model(args.model, args.checkpoint, random_weights=bool(args.synthetic))
@@ -1308,10 +1301,11 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
     has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
     require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm")
     lookup, logits = None, getattr(model, "num_classes", 0)
-    if args.dataset == "imagenet_r":  # the 1000-way head read at the classes present
+    # ImageNet-R: the 1000-way head read at the classes present
+    if args.dataset == "imagenet_r":
         classes = sorted(set(streams["imagenet_r"].imagenet_index))
         scored = torch.as_tensor(classes, device=device)
-        model.register_forward_hook(lambda module, inputs, out: out[:, scored])
+        model.register_forward_hook(lambda m, x, out: out[:, scored])
         lookup, logits = torch.full((1000,), -1, device=device), len(classes)
         lookup[classes] = torch.arange(len(classes), device=device)
     require(hp.get("num_classes", logits) >= logits,
@@ -1322,27 +1316,27 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
         model = model.to(memory_format=torch.channels_last)
     fisher_size = hp.pop("fisher_size", 2000)
     photo = len(streams) if args.privacy_unit == "photo" else 1
-    adapter = or_fail(DPTTA, model, args.method, eps=args.eps, delta=args.delta or 1e-6,
-                      privacy_unit=args.privacy_unit, repeats=args.repeat * photo, clip=args.clip,
-                      lr=args.lr, seed=args.seed, bn=args.bn or "train",
-                      accumulate=args.accumulate, **hp)
+    adapter = or_fail(
+        DPTTA, model, args.method, eps=args.eps, delta=args.delta or 1e-6, clip=args.clip,
+        lr=args.lr, privacy_unit=args.privacy_unit, repeats=args.repeat * photo,
+        seed=args.seed, bn=args.bn or "train", accumulate=args.accumulate, **hp)
     if args.fisher_data:
         loader = image_stream(fisher_set, args.batch_size, seed=args.seed, workers=args.workers)
         clean = (x.to(device) for x, _, _ in loader if x is not None)
         with autocast(args):
             adapter.fisher = fisher_information(model, adapter.params, clean, fisher_size)
     elif adapter.base == "eata":
-        print(f"note: {args.method} without --fisher-data: no anti-forgetting penalty",
-              file=sys.stderr)
+        warn(f"{args.method} without --fisher-data: no anti-forgetting penalty")
     ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat)
     if has_bn:
         ledger["bn"] = adapter.bn
     print_header(args, adapter, ledger, device, hp_note)
     n = min(min(len(ds) for ds in streams.values()), args.limit or math.inf)
     if ledger["private"] and args.delta >= 1 / n:
-        print(f"dptta: warning: δ = {args.delta:g} is not below 1/n = 1/{n} (n: a stream's "
-              "images), the usual rule", file=sys.stderr)
-    sources = streams  # a run's units: each corruption (mixed: all), round
+        warn(f"δ = {args.delta:g} is not below 1/n = 1/{n} (n: a stream's images), "
+             "the usual rule")
+    # a run's units: each corruption (mixed: all at once), each round
+    sources = streams
     if args.setting == "mixed":
         sources = {"mixed": or_fail(Mixed, streams)}
     # what a killed run resumes from (with the adapter's state, saved after each corruption)
@@ -1360,12 +1354,12 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
             continue
         if args.setting == "episodic":
             adapter.reset()
-        loader = image_stream(sources[name], args.batch_size, seed=args.seed + r,
-                              workers=args.workers, limit=args.limit, order=args.order,
-                              pin_memory=device.type == "cuda")
+        loader = image_stream(
+            sources[name], args.batch_size, seed=args.seed + r, workers=args.workers,
+            limit=args.limit, order=args.order, pin_memory=device.type == "cuda")
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
-        correct, scored, bad = stream_through(adapter, loader, label, args=args,
-                                              lookup=lookup, groups=len(groups))
+        correct, scored, bad = stream_through(
+            adapter, loader, label, args=args, lookup=lookup, groups=len(groups))
         run["images"] += sum(scored)
         run["unreadable"] += bad
         if adapter.params:  # ‖θ − θ0‖, public (a function of θ)
@@ -1381,10 +1375,12 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
             print(f"{c:<18} top-1 {top1:5.1f}% | {n} images | {rate(n, time.time() - t0)} | "
                   f"‖θ−θ0‖ {drift.get(label, 0.0):.4f}{note}", flush=True)
         run["done"].append(label)
-        save_state(state, dict(run, wall=time.time() - start, adapter=adapter.get_extra_state()))
+        wall = time.time() - start
+        save_state(state, dict(run, wall=wall, adapter=adapter.get_extra_state()))
     # the mean over the rounds; each round's own in the record (the forgetting curve)
     accuracy = {c: float(np.mean([acc[c] for acc in run["rounds"]])) for c in streams}
-    mean, wall, images = sum(accuracy.values()) / len(accuracy), time.time() - start, run["images"]
+    mean = sum(accuracy.values()) / len(accuracy)
+    wall, images = time.time() - start, run["images"]
     record = dict(
         mode="adapt", run_id=run["run_id"], key=key, settings=dict(vars(args)),
         method=args.method, eps=args.eps, clip=adapter.clip, lr=adapter.lr, hp=args.hp,
@@ -1396,7 +1392,7 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
         unreadable=run["unreadable"], images_per_s=images / wall, wall_s=wall,
         time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     if args.repeat > 1:
-        record["rounds"] = [{"accuracy": acc, "mean": float(np.mean(list(acc.values())))}
+        record["rounds"] = [dict(accuracy=acc, mean=float(np.mean(list(acc.values()))))
                             for acc in run["rounds"]]
         print("per round: " + " | ".join(f"{x['mean']:.1f}" for x in record["rounds"]))
     print("\n" + " | ".join(f"{c[:8]:>8}" for c in accuracy) + " |     mean")
@@ -1406,7 +1402,8 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
     append_jsonl(args.out, record)
     if os.path.exists(state):
         os.remove(state)
-    print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | appended to {args.out}")
+    print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | "
+          f"appended to {args.out}")
     return 0
 
 def save_state(path, state):
@@ -1414,9 +1411,9 @@ def save_state(path, state):
     try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-    except (OSError, RuntimeError) as e:  # torch.save: a full disk is a RuntimeError
-        print(f"dptta: warning: cannot save {path} ({one_line(e)}): --resume would start "
-              "afresh (the records go on)", file=sys.stderr)
+    except (OSError, RuntimeError) as e:  # torch.save's full disk: RuntimeError
+        warn(f"cannot save {path} ({one_line(e)}): --resume would start afresh "
+             "(the records go on)")
 
 # ============================================================================
 # Appendix: tools (--summarize, --benchmark, --audit)
@@ -1438,8 +1435,7 @@ def cell(values, error):
     return f"{np.mean(v):.1f}{spread} (n={len(v)})"
 
 def summarize(path, per_corruption=False, error=False):
-    """Tables of complete runs, methods × variants: mean ± std over seeds
-    (n shown); smoke, --limit and unfinished runs listed apart."""
+    """Methods × variants of complete runs, mean ± std over seeds; the rest apart."""
     records = read_jsonl(path, "--summarize")
     finals = [r for r in records if r.get("mode") == "adapt" and "key" in r]
     done = [r["key"] for r in finals]  # a dead run rerun to the end: done
@@ -1451,20 +1447,22 @@ def summarize(path, per_corruption=False, error=False):
     full = [r for r in finals if not r.get("smoke") and r["key"].get("limit") is None]
     # table -> cell (the key but the seed) -> {seed: latest record}
     tables, duplicates = {}, 0
-    per_variant = ("method", "eps", "clip", "lr", "hp", "privacy_unit", "seed")
+    per_variant = "method eps clip lr hp privacy_unit seed".split()
     for r in full:
         key, seed = r["key"], r["key"]["seed"]
-        table = json.dumps({k: v for k, v in key.items() if k not in per_variant}, sort_keys=True)
-        cell_key = json.dumps({k: v for k, v in key.items() if k != "seed"}, sort_keys=True)
+        fixed = {k: v for k, v in key.items() if k not in per_variant}
+        table = json.dumps(fixed, sort_keys=True)
+        cell_key = json.dumps(dict(key, seed=None), sort_keys=True)
         group = tables.setdefault(table, {}).setdefault(cell_key, {})
         duplicates += seed in group
         group[seed] = r
     what = "error %" if error else "top-1 %"
-    order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in (20, 15, 10, 5, 1)]
+    order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in TUNED_EPS]
     for table, cells in tables.items():
         k, entries = json.loads(table), []
         for runs in (list(group.values()) for group in cells.values()):
-            entries.append((runs[0]["method"].removeprefix("dp_"), variant_of(runs[0]), runs))
+            base = runs[0]["method"].removeprefix("dp_")
+            entries.append((base, variant_of(runs[0]), runs))
         print(f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | "
               f"batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions | "
               f"mean {what} over seeds")
@@ -1472,7 +1470,8 @@ def summarize(path, per_corruption=False, error=False):
         columns = [c for c in order if c in present] + sorted(present - set(order))
         rows = {}
         for base, variant, runs in entries:
-            label = base  # two settings of a cell (tuning): told apart
+            # two settings of a cell (tuning) are told apart
+            label = base
             if sum(e[:2] == (base, variant) for e in entries) > 1:
                 label += f" C={runs[0]['clip']} lr={runs[0]['lr']:g} {runs[0].get('hp') or ''}"
             rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
@@ -1480,7 +1479,8 @@ def summarize(path, per_corruption=False, error=False):
         print(f"{'method':<14}" + "".join(f"{c:>{width}}" for c in columns))
         method_order = ("source", "norm") + BASES
         for label in sorted(rows, key=lambda r: (method_order.index(r.split()[0]), r)):
-            print(f"{label:<14}" + "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns))
+            row = "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns)
+            print(f"{label:<14}{row}")
         if per_corruption:
             print(f"per corruption, {what}:")
             for base, variant, runs in entries:
@@ -1488,15 +1488,16 @@ def summarize(path, per_corruption=False, error=False):
                        for c in runs[0]["accuracy"]}
                 print(f"  {base} {variant}: " + " | ".join(f"{c} {v}" for c, v in per.items()))
     if duplicates:
-        print(f"\n{duplicates} record(s) repeat the seed of an earlier one: the latest is used")
+        print(f"\n{duplicates} record(s) repeat the seed of an earlier one: latest used")
     others = [r for r in finals if r not in full]
     if others:
         print("\nnot in the tables (smoke or --limit runs):")
         for r in others:
             why = "smoke" if r.get("smoke") else f"limit {r['key'].get('limit')}"
-            print(f"  {r['method']} {variant_of(r)} seed {r['seed']} ({why}): mean {r['mean']:.1f}")
+            print(f"  {r['method']} {variant_of(r)} seed {r['seed']} ({why}): "
+                  f"mean {r['mean']:.1f}")
     if unfinished:
-        print("\nunfinished runs (no final record; their finished corruptions only):")
+        print("\nunfinished runs (no final record; finished corruptions only):")
         for rs in unfinished.values():
             key = rs[0]["key"]
             accs = ", ".join(f"{r['corruption']} {r['accuracy']:.1f}" for r in rs)
@@ -1509,8 +1510,9 @@ def summarize(path, per_corruption=False, error=False):
 # -- --benchmark: the cost of privacy, measured side by side -----------------
 # Every filter open, every sample kept: H <= ln K always, so margins of 1.01·ln K keep all;
 # PLPD >= −1; SAR never resets. For random weights (benchmark) and the audit's canaries.
-WIDE_OPEN = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
-                 reset_ema=-math.inf)
+WIDE_OPEN = dict(
+    e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
+    reset_ema=-math.inf)
 
 def benchmark(args):
     """A step of every method, non-private, clip-only, DP, side by side."""
@@ -1531,12 +1533,15 @@ def benchmark(args):
     dp = dict(clip=1.0, eps=5.0)
     specs = dict(source=("source", {}))  # row -> (method, its arguments)
     for b in BASES:
-        specs.update({b: (b, {}), f"{b} clip": (b, dict(clip=1.0)), f"dp_{b}": (f"dp_{b}", dp)})
+        specs.update({b: (b, {}), f"{b} clip": (b, dict(clip=1.0))})
+        specs[f"dp_{b}"] = (f"dp_{b}", dp)
         if acc > 1:
             specs[f"dp_{b} {B}x{acc}"] = (f"dp_{b}", dict(dp, accumulate=acc))
     if any(isinstance(m, BATCH_NORM) for m in model.modules()):
-        specs.update(norm=("norm", dict(bn="train")), dp_norm=("dp_norm", dict(eps=5, bn="train")))
-    try:  # each its own copy of the model: never a shared θ
+        specs.update(norm=("norm", dict(bn="train")),
+                     dp_norm=("dp_norm", dict(eps=5, bn="train")))
+    # each its own copy of the model: never a shared θ
+    try:
         variants = {k: DPTTA(copy.deepcopy(model), method, **{**wide_open, **kwargs})
                     for k, (method, kwargs) in specs.items()}
     except ValueError as e:
@@ -1603,10 +1608,9 @@ def benchmark(args):
 
 # -- --audit: an empirical lower bound on ε from a distinguishing game -------
 def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
-    """ε_lb from the worlds' scores (large: "canary in"): a threshold picked
-    on half the trials, its error rates on the other half bounded by
-    Clopper-Pearson (each at (1 − confidence)/2). gaussian (Nasr et al.
-    2023): μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR), ε_lb = ε of μ_lb-GDP at δ;
+    """ε_lb from the scores (large: "canary in"): a threshold picked on half
+    the trials, its error rates on the other half bounded by Clopper-Pearson.
+    gaussian (Nasr et al. 2023): ε of μ_lb-GDP, μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR);
     else (Kairouz et al. 2015): ε_lb = log((1 − δ − FNR)/FPR), or swapped."""
     s_in, s_out = np.asarray(s_in, float), np.asarray(s_out, float)
     h, alpha = min(len(s_in), len(s_out)) // 2, (1 - confidence) / 2
@@ -1616,7 +1620,8 @@ def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
 
     def bound_at(t, part):
         fpr, fnr = upper((s_out[part] > t).sum()), upper((s_in[part] <= t).sum())
-        if gaussian:  # μ_lb of the Gaussian curve through (FPR, FNR)
+        # μ_lb of the Gaussian trade-off curve through (FPR, FNR)
+        if gaussian:
             return stats.norm.ppf(1 - fpr) - stats.norm.ppf(fnr)
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = ((1 - delta - fnr) / fpr, (1 - delta - fpr) / fnr)
@@ -1630,29 +1635,27 @@ def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
         return gdp_epsilon(sigma=2 / lb, delta=delta) if lb > 0 else 0.0
     return lb
 
-def flat_sample_grads(adapter, x):
-    """What the adapter clips, a row per sample (dp_norm: 1st BN's v_i)."""
-    if adapter.method == "dp_norm":
-        name = next(iter(adapter.bn_src))
-        bn, seen = adapter.model.get_submodule(name), []
-        with torch.no_grad(), bn.register_forward_pre_hook(lambda m, a: seen.append(a[0])):
-            adapter.model(x)
-        return bn_moments(seen[0], *adapter.bn_src[name], bn.eps)
-    a = adapter
+def flat_sample_grads(a, x):
+    """What adapter a clips, a row per sample (dp_norm: 1st BN's v_i)."""
+    if a.method == "dp_norm":
+        name = next(iter(a.bn_src))
+        bn, seen = a.model.get_submodule(name), []
+        with torch.no_grad(), bn.register_forward_pre_hook(lambda m, inp: seen.append(inp[0])):
+            a.model(x)
+        return bn_moments(seen[0], *a.bn_src[name], bn.eps)
     g, _ = per_sample_grads(a.model, a.params, a.loss, x, a.context(x))
     return torch.cat([t.flatten(1).float() for t in g.values()], 1)
 
-def clip_of(adapter, width):
-    """The adapter's clip norm (dp_norm: scale·√width; no clip: inf)."""
-    if adapter.method == "dp_norm":
-        return adapter.hp["bn_scale"] * math.sqrt(width)
-    return adapter.clip or math.inf
+def clip_of(a, width):
+    """Adapter a's clip norm (dp_norm: scale·√width; no clip: inf)."""
+    if a.method == "dp_norm":
+        return a.hp["bn_scale"] * math.sqrt(width)
+    return a.clip or math.inf
 
-def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
-    """Two images whose g_i at θ point far apart: Adam on the pixels (in
-    [−box, box]) minimizing cos(g1, g2) − 0.01·log(‖g1‖‖g2‖), norms kept up
-    so C can sit below them; ∇_x g(x) is a double backward."""
-    a, gen = adapter, torch.Generator().manual_seed(seed)
+def craft_canaries(a, shape, *, steps=100, box=3.0, seed=0):
+    """Two images whose g_i point apart: Adam on the pixels (in ±box) on
+    cos(g1, g2) − 0.01·log(‖g1‖‖g2‖), a double backward (norms kept up)."""
+    gen = torch.Generator().manual_seed(seed)
     imgs = torch.randn(2, *shape, generator=gen).to(next(a.model.parameters()).device)
     opt = torch.optim.Adam([imgs.requires_grad_()], lr=0.05)
     theta = {n: p.detach().requires_grad_() for n, p in a.params.items()}
@@ -1673,10 +1676,9 @@ def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
     return imgs.detach()
 
 @contextlib.contextmanager
-def replayed_per_sample_pass(adapter):
-    """End-to-end trials step from θ0 on the same two batches: each one's
-    per-sample pass (and x′) runs once; clip, noise, step run every trial."""
-    memo, real, context = {}, per_sample_grads, adapter.context
+def replayed_per_sample_pass(a):
+    """Each batch's per-sample pass (and x′) runs once; clip, noise, step every trial."""
+    memo, real, context = {}, per_sample_grads, a.context
 
     def once(fn, x, *args, **kwargs):
         key = (fn, x.data_ptr(), tuple(x.shape))
@@ -1686,23 +1688,20 @@ def replayed_per_sample_pass(adapter):
 
     globals()["per_sample_grads"] = lambda model, params, loss_fn, x, *args, **kwargs: once(
         real, x, model, params, loss_fn, x, *args, **kwargs)
-    adapter.context = lambda x: once(context, x, x)
+    a.context = lambda x: once(context, x, x)
     try:
         yield
     finally:
         globals()["per_sample_grads"] = real
-        del adapter.context
+        del a.context
 
-def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0,
+def audit(a, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0,
           gaussian=True):
-    """The change-one game: ε_lb at `confidence`. The worlds differ in one
-    sample; the attacker knows all but the noise and scores the release
-    along d = clip(g_in) − clip(g_out) (optimal against Gaussian noise).
-    White-box: clip_and_noise on x's g_i (dp_norm: v_i) plus a canary
-    *gradient* of norm 10·C or its negative, 2C apart once clipped, the
-    worst case (no clip: C = 1). End-to-end: a DPTTA step from θ0 on x and
-    an image; only θ seen."""
-    a = adapter
+    """The change-one game on adapter a, ε_lb at `confidence`: the attacker
+    knows all but the noise and scores the release along d = clip(g_in) −
+    clip(g_out). White-box: x's g_i (dp_norm: v_i) and a canary gradient
+    ±10·C·u, 2C apart once clipped (no clip: C = 1). End-to-end: θ after a
+    step on x and one image or the other."""
     if canary is None:
         flat = flat_sample_grads(a, x)
         clip = clip_of(a, flat.shape[1])
@@ -1715,8 +1714,8 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
             return clip_and_noise(world, clip, a.sigma, a.noise_gen)["θ"]
     else:
         worlds = [torch.cat([x, img[None]]) for img in (canary, replacement)]
-        clipped = [clip_and_noise({"θ": flat_sample_grads(a, img[None])}, clip_of(a, 1), 0.0,
-                                  None)["θ"] for img in (canary, replacement)]
+        g = [flat_sample_grads(a, img[None]) for img in (canary, replacement)]
+        clipped = [clip_and_noise({"θ": t}, clip_of(a, 1), 0.0, None)["θ"] for t in g]
         d = clipped[0] - clipped[1]
 
         # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
@@ -1734,11 +1733,11 @@ def audit(adapter, x, canary=None, replacement=None, *, trials=20000, confidence
 def audit_cli(args):
     """White-box and end-to-end ε_lb of --method at --eps (tiny ViT or CNN)."""
     check_common(args, "audit")
-    require(args.model is None, "--audit has its own small model; --model does not apply")
+    require(args.model is None, "--audit has its own model: --model does not apply")
     check_out(args, "results-audit.jsonl")
     private, norm = args.method.startswith("dp_"), args.method in NORM_METHODS
-    require(args.eps is None or private, f"--eps applies to dp_ methods only, not {args.method}")
-    require(args.method != "source", "--audit: source releases nothing; pick a method")
+    require(args.eps is None or private, f"--eps is for dp_ methods only, not {args.method}")
+    require(args.method != "source", "--audit: source releases nothing")
     args.delta, eps, kwargs = args.delta or 1e-6, args.eps, {}
     if private:
         eps = args.eps or 5.0
@@ -1750,8 +1749,9 @@ def audit_cli(args):
         model = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(),
                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
     else:
-        model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
-                                  patch_size=8, depth=2, embed_dim=32, num_heads=2, num_classes=10)
+        model = timm.create_model(
+            "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+            embed_dim=32, num_heads=2, num_classes=10)
         kwargs.update(lr=args.lr or 0.1, clip=args.clip or (1.0 if private else None))
         if not private:  # filters open: the canary is kept
             kwargs.update(WIDE_OPEN)
@@ -1788,9 +1788,9 @@ def audit_cli(args):
           "shows a bug; below it proves nothing")
     held = not claim or all(lb <= eps for _, lb, *_ in games)
     games = {name.strip(): dict(eps_lb=lb, trials=n, seconds=s) for name, lb, n, s, _ in games}
-    append_jsonl(args.out, dict(mode="audit", method=args.method, eps=eps, delta=args.delta,
-                                sigma=a.sigma, private=claim, clip=a.clip, claim_held=held,
-                                games=games))
+    append_jsonl(args.out, dict(
+        mode="audit", method=args.method, eps=eps, delta=args.delta, sigma=a.sigma,
+        private=claim, clip=a.clip, claim_held=held, games=games))
     return int(not held)  # 1: a lower bound above the claim
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ elif os.environ["STAGE"] == "wild":  # SAR's three wild settings, continual
         for m in methods:
             C, lr = dptta.PAPER_CLIP_ONLY["continual"][m]
             dp = " --accumulate 64" if name == "batch 1" else ""  # one noise per 64 images
-            C5, lr5 = dptta.PAPER_DP["continual"]["dp_" + m][5]
+            C5, lr5, _ = dptta.paper_hparams("dp_" + m, 5)
             print(f"--method {m}{constants(m)} {how} --seed {seed}")
             print(f"--method {m}{constants(m)} --clip {C} --lr {lr} {how} --seed {seed}")
             print(f"--method dp_{m} --eps 5 --clip {C5} --lr {lr5} {how}{dp} --seed {seed}")
@@ -123,7 +123,8 @@ else:
                 print(f"--method {m}{constants(m)} --clip {C} --lr {lr}{batch} --setting "
                       f"{setting} --seed {seed}")
             for e in epsilons if "dp" in env["VARIANTS"] else []:
-                C, lr = tuned.get(f"{setting}/{m}/{e}", dptta.PAPER_DP[setting]["dp_" + m][e])
+                paper = dptta.paper_hparams("dp_" + m, e, setting)[:2]
+                C, lr = tuned.get(f"{setting}/{m}/{e}", paper)
                 print(f"--method dp_{m} --eps {e} --clip {C} --lr {lr}{dp} --setting {setting} "
                       f"--seed {seed}")
 PY
