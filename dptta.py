@@ -32,8 +32,12 @@ def need(ok, problem):  # an argument check: raises, in one line
         raise ValueError(problem)
 
 # -- Privacy accounting: one pass, μ-GDP with μ = 2/σ ------------------------
+EPS_MAX = 1e6  # σ ≈ 1e-3: beyond it the accountant's root finder loses its footing
+
 def _check_privacy(eps=None, delta=None, sigma=None):  # NaN: refused
     need(eps is None or eps > 0, f"eps must be > 0 (inf: no noise), got {eps}")
+    need(eps is None or eps <= EPS_MAX or math.isinf(eps),
+         f"eps must be <= {EPS_MAX:g} or inf (no noise), got {eps}")
     need(delta is None or 0 < delta < 1, f"delta must be in (0, 1), got {delta}")
     need(sigma is None or sigma >= 0, f"sigma must be >= 0, got {sigma}")
 
@@ -97,7 +101,15 @@ def gdp_epsilon(*, sigma, delta):
 
 # -- Per-sample gradients, clipping and noise --------------------------------
 BATCH_NORM = nn.modules.batchnorm._BatchNorm  # timm's BatchNormAct2d too
-NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM)  # timm's LayerNorm2d too (ConvNeXt)
+# the adaptable norm layers (their subclasses too: timm's LayerNorm2d, GroupNorm1, BatchNormAct2d);
+# timm's own RmsNorm and SimpleNorm subclass none of these: add them here to adapt them
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.instancenorm._InstanceNorm,
+         BATCH_NORM)
+
+def couples_samples(m):
+    """A BatchNorm that normalizes with the batch: in train mode, or with no running statistics
+    (track_running_stats=False: the batch even in eval mode)."""
+    return isinstance(m, BATCH_NORM) and (m.training or m.running_mean is None)
 VMAP_FALLBACKS = {}  # op -> passes that ran it once per sample
 
 def _trunk_cut(model):
@@ -121,12 +133,15 @@ def adaptable_params(model, *, skip_top=False, private=True):
     bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)][:1]
     need(not (private and bn), f"BatchNorm ({', '.join(bn)}, ...) mixes the samples of a "
          'batch: no per-sample gradients (dp_, clip); bn="source" keeps its statistics')
-    cut, params = skip_top and _trunk_cut(model), {}
+    cut, params, seen = skip_top and _trunk_cut(model), {}, set()
     for name, m in model.named_modules():
         if name == cut:
             break
         if isinstance(m, NORMS):
-            params.update({f"{name}.{k}": p for k, p in m.named_parameters(recurse=False)})
+            for k, p in m.named_parameters(recurse=False):
+                if id(p) not in seen:  # a tensor tied to two modules: adapted once
+                    seen.add(id(p))
+                    params[f"{name}.{k}"] = p
     need(params, "the model has no norm-layer affine parameters to adapt")
     return params
 
@@ -135,8 +150,9 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     loss_fn: (logits [N, K], ctx [N, ...] or None) -> [N]. x_i gets its own
     view θ_i of θ, a vmapped forward; ONE backward of Σ_j ℓ_j gives each θ_i
     its g_i (vmap(grad) would loop: fused attention's backward has no rule)."""
-    coupled = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM) and m.training]
-    need(not coupled, f"BatchNorm {', '.join(coupled)} in train mode: no per-sample gradients")
+    coupled = [n for n, m in model.named_modules() if couples_samples(m)]
+    need(not coupled, f"BatchNorm {', '.join(coupled)} in train mode or without running "
+         "statistics: no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
 
@@ -199,6 +215,13 @@ def _without_fallback(fn):
                       "timm: fused_attn=False", stacklevel=3)
     VMAP_FALLBACKS[op[1]] = VMAP_FALLBACKS.get(op[1], 0) + 1
     return fn()
+
+def noise_generator(device="cpu", seed=None):
+    """The privacy noise's source: seeded from OS entropy (secret: a known seed lets anyone
+    regenerate the noise and subtract it), or from `seed` for an exact, NOT private replay."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    return torch.Generator(device).manual_seed(seed)
 
 def at_least_fp32(t):  # bf16/fp16 -> fp32; fp32, fp64 kept
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -308,11 +331,13 @@ class DPTTA(nn.Module):
     method: a table row, dp_<row> or "source"; repeats=k: k steps see each
     privacy unit ("image" or "photo", a label), σ·√k; accumulate=k: a step
     per k batches; fisher: EATA's public {name: F}; bn: BatchNorm on the test
-    batch's statistics ("train", Tent's; not per-sample) or the source's."""
+    batch's statistics ("train", Tent's; not per-sample) or the source's.
+    seed: DeYO's patch shuffles; the noise is secret (OS entropy) unless
+    noise_seed is given (an exact replay, NOT private against its holder)."""
     STATE = ("ema", "m", "g_prev", "bn_ema")  # SAR's, EATA's, DP-SAR's, dp_norm's
 
     def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
-                 clip=None, lr=None, seed=0, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
+                 clip=None, lr=None, seed=0, noise_seed=None, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
                  d_margin=0.05, rho=0.05, reset_ema=0.2, deyo_margin=0.5, plpd_threshold=0.2,
                  patch_grid=4, num_classes=None, bn="train", bn_scale=0.5, bn_momentum=0.1,
                  bn_floor=0.1, bn_layers=None, accumulate=1, chunk_size=None):
@@ -333,6 +358,7 @@ class DPTTA(nn.Module):
         need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
+        need(noise_seed is None or isinstance(noise_seed, int), "noise_seed is an int or None")
         need(accumulate == 1 or method != "norm", "norm has nothing to accumulate")
         self.eps, self.delta, self.privacy_unit, self.repeats = eps, delta, privacy_unit, repeats
         self.sigma = calibrate_sigma(eps=eps or math.inf, delta=delta, repeats=repeats)
@@ -349,10 +375,18 @@ class DPTTA(nn.Module):
         self.model = model.eval().requires_grad_(False)  # eval: nothing random
         self.releases, self.bn_src = 1, {}  # per image: a step, or dp_norm's L
         self.params = self.model_params = {}  # θ (source, norm: none)
+        bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
+        frozen = [n for n, m in bns if m.running_mean is None]
+        need(not frozen or (bn == "train" and method != "dp_norm"),
+             f"BatchNorm {frozen[:1]} has no running statistics (track_running_stats=False): it "
+             "normalizes with the batch even in eval mode, so it has no source statistics to "
+             "keep (bn='source') or re-estimate (dp_norm)")
         if self.base == "norm":  # dp_norm: the first bn_layers, σ·√L
-            bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
             need(bns and bn == "train", f"{method} re-estimates BatchNorm statistics: it "
                  "needs a model with BatchNorm, and no bn='source'")
+            need(bn_layers is None or isinstance(bn_layers, int) and 1 <= bn_layers <= len(bns),
+                 f"bn_layers must be a count from 1 to the model's {len(bns)} BatchNorm layers "
+                 f"(None: all), got {bn_layers}")
             if private:
                 self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone())
                                for n, m in bns[:bn_layers]}
@@ -373,9 +407,10 @@ class DPTTA(nn.Module):
                     m.train()  # normalizes with the test batch's statistics
                     m.track_running_stats = False
         device, self.chunk_size = next(model.parameters()).device, chunk_size
-        # own seeded streams, never rewound by reset(): the same noise twice could cancel out
-        self.noise_gen = torch.Generator(device).manual_seed(seed)
-        self.shuffle_gen = torch.Generator(device).manual_seed(seed + 1)
+        # own streams, never rewound by reset(): the same noise twice could cancel out
+        self.noise_seed, self.noise_gen = noise_seed, noise_generator(device, noise_seed)
+        self.shuffle_gen = torch.Generator(device).manual_seed(seed)
+        self.bn_checked = not self.bn_src  # dp_norm: releases per forward not yet counted
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
         self.tally = {}  # "nonfinite": samples dropped for a non-finite g_i
         self.reset()
@@ -386,6 +421,16 @@ class DPTTA(nn.Module):
              "copy.deepcopy(model), or del the other")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
+    def __getstate__(self):
+        """copy, pickle: refused with a pending accumulate window (a copy would step on its
+        images too, a pickle would write them to disk)."""
+        self._no_window("a copy")
+        return super().__getstate__()
+
+    def _no_window(self, what):
+        need(not self.window, f"{what} of an adapter with {len(self.window)} pending "
+             "accumulate batch(es) would hold raw test images: flush() first")
+
     def __setstate__(self, state):
         """copy, pickle: the copy reseeds from the OS (no shared noise)."""
         super().__setstate__(state)
@@ -395,7 +440,9 @@ class DPTTA(nn.Module):
             g.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def get_extra_state(self):
-        """In state_dict(): exact resume, noise where it stood (load it once)."""
+        """In state_dict(): exact resume, noise where it stood (load it once). It holds the
+        noise generator's state: a checkpoint is as secret as the test data."""
+        self._no_window("a checkpoint")
         return dict(
             method=self.method, sigma=self.sigma, theta=dict(self.params), theta0=self.theta0,
             opt=self.opt and self.opt.state_dict(), noise=self.noise_gen.get_state(),
@@ -515,6 +562,11 @@ class DPTTA(nn.Module):
             return self._update(x)
         # accumulate=k: predict with θ, step once k batches have come: θ is fixed in a window, so
         # it is one step on k·B images (one noise draw; k steps of B: √k times the noise)
+        if self.window:  # torch.cat of the window at the step needs one image shape
+            first = self.window[0]
+            need((x.shape[1:], x.dtype, x.device) == (first.shape[1:], first.dtype, first.device),
+                 f"a batch of {tuple(x.shape[1:])} {x.dtype} images in a window of "
+                 f"{tuple(first.shape[1:])} {first.dtype}: one window, one image shape")
         with torch.no_grad():
             logits = logits_of(self.model(x))
         self.window.append(x)
@@ -530,6 +582,8 @@ class DPTTA(nn.Module):
 
     def _update(self, x):
         if self.base == "norm":  # no step (dp_norm: statistics released)
+            if not self.bn_checked:  # before the first release: one release per layer?
+                self.check_releases(torch.zeros_like(x[:1]))
             with torch.no_grad(), contextlib.ExitStack() as hooks:
                 for name in self.bn_src:  # a hook's handle removes it on exit
                     hooks.enter_context(self.model.get_submodule(name).register_forward_pre_hook(
@@ -576,6 +630,25 @@ class DPTTA(nn.Module):
         norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt()
         return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}
 
+    def check_releases(self, x):
+        """dp_norm accounts one release per private BN layer and forward: a module run twice
+        (shared, or a block applied twice) would release twice. A data-free forward (zeros of
+        the input's shape) counts the calls; a layer called more than once is refused."""
+        calls = dict.fromkeys(self.bn_src, 0)
+
+        def count(name, module, args):
+            calls[name] += 1
+
+        with torch.no_grad(), contextlib.ExitStack() as hooks:
+            for name in self.bn_src:
+                module = self.model.get_submodule(name)
+                hooks.enter_context(module.register_forward_pre_hook(partial(count, name)))
+            self.model(x)
+        twice = [f"{n} ({k}x)" for n, k in calls.items() if k > 1]
+        need(not twice, f"BatchNorm {', '.join(twice)} runs more than once per forward: each "
+             "run would be a release that dp_norm does not account; give each use its own module")
+        self.bn_checked = True
+
     def _release_stats(self, name, bn, args):
         """dp_norm, before BN `name` runs: its statistics := its releases."""
         mean, var = self.bn_src[name]
@@ -603,6 +676,7 @@ class DPTTA(nn.Module):
 # Part II: running it (data, the paper's hyperparameters, the command line, main)
 import argparse
 import copy
+import hashlib
 import json
 import signal
 import sys
@@ -625,12 +699,37 @@ LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: "
           "ROOT/<wnid>/*.jpg); ImageNet-C: https://zenodo.org/record/2235448")
 
 def reached_once(seen, path, node=None):
-    """Refuses a path whose node (device, inode) `seen` holds under another."""
+    """Refuses a path whose node (device, inode) `seen` holds under another; its size."""
+    size = None
     if node is None:
         st = os.stat(path)
-        node = st.st_dev, st.st_ino
+        node, size = (st.st_dev, st.st_ino), st.st_size
     first = seen.setdefault(node, path)
     need(first == path, f"{path} is {first} again (a link?): an image is in a stream once")
+    return size
+
+def file_digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).digest()
+
+def check_public(fisher_set, streams, used):
+    """EATA's penalty is data-free only if its images are public: a Fisher image that is a
+    stream's file (the same device and inode: a link, the same folder) or a byte copy of one
+    (compared for the `used` images, against stream files of the same size) is refused."""
+    nodes, by_size = {}, {}
+    for ds in streams.values():
+        nodes.update(ds.nodes)
+        for path, size in ds.sizes.items():
+            by_size.setdefault(size, []).append(path)
+    for node, path in fisher_set.nodes.items():
+        require(node not in nodes, f"--fisher-data: {path} is the stream's {nodes.get(node)}; "
+                "EATA's Fisher images must be public, never the test stream")
+    for i in used:
+        path = fisher_set.samples[i][0]
+        same = [p for p in by_size.get(fisher_set.sizes[path], [])
+                if file_digest(p) == file_digest(path)]
+        require(not same, f"--fisher-data: {path} is a copy of the stream's {same[:1]}; EATA's "
+                "Fisher images must be public, never the test stream")
 
 class WnidFolder(ImageFolder):
     """ImageFolder, ImageNet-1k targets by wnid (any subset); unreadable: (None, path)."""
@@ -646,7 +745,7 @@ class WnidFolder(ImageFolder):
     def make_dataset(
             self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
         """ImageFolder's listing; a path reached twice (a link, a loop) refused."""
-        self.nodes = {}  # {(device, inode): path}, for Mixed
+        self.nodes, self.sizes = {}, {}  # {(device, inode): path} for Mixed; {path: bytes}
         once = partial(reached_once, self.nodes)
         once(directory)
         valid = is_valid_file or partial(has_file_allowed_extension, extensions=extensions)
@@ -662,7 +761,7 @@ class WnidFolder(ImageFolder):
             if not found and not allow_empty:
                 raise FileNotFoundError(f"Found no valid file for the classes {c}")
             for path in found:
-                once(path)
+                self.sizes[path] = once(path)
                 samples.append((path, class_to_idx[c]))
         return samples
 
@@ -853,7 +952,7 @@ def parse_args(argv=None):
     ap.error = fail  # a bad flag: one line, exit 2 too
     g = ap.add_argument_group("method and privacy").add_argument
     g("--method", default="dp_tent", choices=METHODS, help="default dp_tent")
-    g("--eps", type=float, help="ε of a dp_ method; inf: clip only (default 5)")
+    g("--eps", type=eps_value, help="ε of a dp_ method; inf: clip only (default 5)")
     g("--delta", type=float, help="δ of a dp_ method (default 1e-6)")
     g("--privacy-unit", default="image", choices=("image", "photo"), help="photo: σ·√streams")
     g("--clip", type=float, help="per-sample clip C (default: paper's); originals: clip-only")
@@ -882,7 +981,8 @@ def parse_args(argv=None):
     g("--repeat", type=int, default=1, help="stream the corruptions N times")
     g("--accumulate", type=int, default=1, help="a step per K batches")
     g("--batch-size", type=int, help="default 64 (--benchmark on CPU: 32)")
-    g("--seed", type=int, default=0, help="data order, noise, patch shuffles")
+    g("--seed", type=int, default=0, help="data order, patch shuffles (never the noise)")
+    g("--noise-seed", type=int, help="replay the noise: NOT private against its holder")
     g("--out", help="JSON lines, appended (default results*.jsonl)")
     g("--resume", action="store_true", help="skip a run --out holds; finish a killed one")
     g("--log-every", type=int, default=100, help="a progress line per N batches")
@@ -896,6 +996,13 @@ def parse_args(argv=None):
     g("--trials", type=int, help="--audit: white-box trials (default 20000)")
     g("--e2e-trials", type=int, help="--audit: end-to-end trials (default 5000)")
     return ap.parse_args(argv)
+
+def eps_value(text):
+    """A float; a finite number too large for one (1e400) is refused, not read as inf."""
+    value = float(text)
+    if math.isinf(value) and text.strip().lower().lstrip("+") not in ("inf", "infinity"):
+        raise argparse.ArgumentTypeError(f"{text} overflows a float: give a finite ε or inf")
+    return value
 
 def parse_hp(items):
     """["e_margin=0.5", ...] -> {"e_margin": 0.5}: known names, finite."""
@@ -923,19 +1030,24 @@ def check_common(args, mode=None):
         if value is None:
             setattr(args, flag, default)
     require(args.eps is None or args.eps > 0, f"--eps must be > 0, got {args.eps}")
+    require(args.eps is None or args.eps <= EPS_MAX or math.isinf(args.eps),
+            f"--eps must be <= {EPS_MAX:g} or inf (no noise), got {args.eps}")
     require(args.delta is None or 0 < args.delta < 1,
             f"--delta must be in (0, 1), got {args.delta}")
     for flag in ("clip", "lr"):
         v = getattr(args, flag)
         require(v is None or 0 < v < math.inf, f"--{flag} must be finite and > 0, got {v}")
-    lows = dict(batch_size=1, rounds=1, trials=100, e2e_trials=100, workers=0, seed=0, limit=1,
+    lows = dict(batch_size=1, rounds=1, trials=100, e2e_trials=100, workers=0, limit=1,
                 log_every=1, synthetic=1, repeat=1, accumulate=1)
     for flag, low in lows.items():
         v = getattr(args, flag)
         require(v is None or v >= low, f"--{flag.replace('_', '-')} must be >= {low}, got {v}")
     if args.model is not None:
         check_model(args.model)
-    require(args.seed < 2 ** 63, f"--seed must be < 2**63, got {args.seed}")
+    for flag in ("seed", "noise_seed"):
+        v = getattr(args, flag)
+        require(v is None or 0 <= v < 2 ** 63,
+                f"--{flag.replace('_', '-')} must be in 0 .. 2**63 - 1, got {v}")
     require(args.device != "cuda" or torch.cuda.is_available(),
             "--device cuda: no CUDA device is visible")
     if args.device == "auto":
@@ -957,6 +1069,8 @@ def check_args(args):
         args.delta = 1e-6
     require(args.privacy_unit == "image" or noisy,
             "--privacy-unit photo applies to a dp_ method with a finite --eps")
+    require(args.noise_seed is None or noisy, "--noise-seed applies to a dp_ method with a "
+            "finite --eps (the others draw no noise)")
     stateless = base in ("source", "norm")
     require(not stateless or (args.clip, args.lr, args.bn) == (None, None, None),
             f"{args.method} takes no gradient step: --clip, --lr and --bn do not apply")
@@ -1059,7 +1173,7 @@ def build_model(name, checkpoint=None, random_weights=False):
 def run_key(args):
     """All that changes a result (the seed too; --summarize drops it)."""
     names = ("method eps delta privacy_unit clip lr hp batch_size setting order repeat "
-             "accumulate dataset severity corruptions model bn seed limit")
+             "accumulate dataset severity corruptions model bn seed noise_seed limit")
     key = {k: getattr(args, k) for k in names.split()}
     if args.synthetic:
         key.update(weights="random", data=f"synthetic:{args.synthetic}")
@@ -1124,24 +1238,30 @@ def append_jsonl(path, record):
         print(text, flush=True)
         fail(f"cannot write {path} ({e.strerror}); the record is above", 4)
 
-def privacy_ledger(a, streams, rounds=1):
-    """What adapter a promises, to whom, in numbers (rounds: --repeat)."""
+def privacy_ledger(a, streams, rounds=1, privacy_unit="image"):
+    """What adapter a promises, to whom, in numbers. A step (its `releases` of σ_l each) is
+    μ-GDP with μ = 2/σ, σ = σ_l/√releases; a test image is in `rounds` steps (--repeat), a
+    photo in streams·rounds: μ√k over k steps (Dong, Roth & Su, Cor. 3.3)."""
     if not a.private:
         return dict(private=False, clip=a.clip)
     if a.sigma == 0:
         return dict(private=False, clip_only=True, note="clip only, not private",
                     eps=a.eps, clip=a.clip)
-    s, d = a.sigma / math.sqrt(a.releases), a.delta  # a step's σ
-    steps = "one step" if rounds == 1 else f"{rounds} steps"
-    unit = f"one test image, replace-one neighbours, used in {steps}"
-    k = streams * rounds  # k steps see a photo: μ√k-GDP, i.e. σ/√k
-    if a.privacy_unit == "photo":
-        unit = f"one photo, replace-one neighbours, in its {k} streams"
-    return dict(private=True, eps=a.eps, delta=d, sigma=s, mu=2 / s, clip=a.clip,
-                privacy_unit=a.privacy_unit, unit=unit, repeats=k, rounds=rounds,
-                releases=a.releases, sigma_per_release=a.sigma,
-                eps_per_test_image=gdp_epsilon(sigma=s / math.sqrt(rounds), delta=d),
-                eps_per_underlying_image=gdp_epsilon(sigma=s / math.sqrt(k), delta=d))
+    sigma, k, d = a.sigma / math.sqrt(a.releases), streams * rounds, a.delta
+    unit = f"one test image, replace-one neighbours, in {rounds} step(s)"
+    if privacy_unit == "photo":
+        unit = f"one photo, replace-one neighbours, in its {streams} stream(s) x {rounds} round(s)"
+    ledger = dict(
+        private=True, eps=a.eps, delta=d, privacy_unit=privacy_unit, unit=unit, clip=a.clip,
+        sigma=sigma, releases=a.releases, sigma_per_release=a.sigma, rounds=rounds,
+        streams=streams, mu_per_step=2 / sigma, mu_per_test_image=2 * math.sqrt(rounds) / sigma,
+        eps_per_test_image=gdp_epsilon(sigma=sigma / math.sqrt(rounds), delta=d),
+        mu_per_photo=2 * math.sqrt(k) / sigma,
+        eps_per_photo=gdp_epsilon(sigma=sigma / math.sqrt(k), delta=d), noise="secret")
+    if a.noise_seed is not None:
+        ledger.update(noise="replayed", noise_seed=a.noise_seed,
+                      note=f"not private against anyone who knows noise seed {a.noise_seed}")
+    return ledger
 
 def wild(settings):
     """Settings unlike the paper's, as " | order class | repeat 3"."""
@@ -1161,16 +1281,24 @@ def print_header(args, a, ledger, device, hp_note):
           f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | "
           f"seed {args.seed}{wild(vars(args))}")
     clip = f"C = {a.clip:g} [{hp_note['clip']}]" if a.clip else ""
+    released = "adapted θ and every prediction"
     if args.method == "dp_norm":  # L releases per image: σ_l = √L·σ each
         clip = (f"L = {a.releases} BN layers, each σ_l = √L·σ = {a.sigma:.4f}, "
                 f"moments clipped to {a.hp['bn_scale']:g}·√(2·channels)")
+        released = f"the {a.releases} layers' BatchNorm statistics and every prediction"
     if ledger["private"]:
-        print("privacy: ({eps:g}, {delta:g})-DP per {privacy_unit}: σ = {sigma:.4f}, μ = 2/σ = "
-              "{mu:.4f}-GDP per test image, {what}\n  unit: {unit}; released: adapted θ and "
-              "every prediction for other images".format(**ledger, what=clip))
-        if ledger["repeats"] > 1:
-            print("  per test image ε = {eps_per_test_image:.3g}; per photo in all {repeats} "
-                  "streams (μ√k) ε = {eps_per_underlying_image:.3g}".format(**ledger))
+        print("privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step "
+              "(μ = 2/σ = {mu_per_step:.4f}-GDP), {what}".format(**ledger, what=clip))
+        print("  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = "
+              "{eps_per_test_image:.3g} | per photo ({streams} stream(s) x {rounds} round(s)): "
+              "μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}".format(**ledger))
+        print(f"  unit: {ledger['unit']}; released: {released} for other images")
+        if ledger["noise"] == "secret":
+            print("  noise: secret, from OS entropy (the state file holds its generator: keep it "
+                  "as private as the data)")
+        else:
+            print(f"  noise: NOT SECRET: replayed from --noise-seed {a.noise_seed}; "
+                  f"{ledger['note']}")
     elif ledger.get("clip_only"):
         print(f"privacy: NONE: clip only (eps = inf), not private; {clip}")
     elif args.method != "source":
@@ -1255,18 +1383,29 @@ def main(argv=None):
     args.clip, args.lr = args.clip or C, args.lr or lr
     key = run_key(args)
     run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
-    state = f"{args.out}.{run_hash}.pt"
-    done = args.resume and os.path.exists(args.out) and any(
-        r.get("key") == key and r.get("mode") == "adapt" for r in read_jsonl(args.out, "--out"))
-    if done:
+    # the run's state after each corruption (its noise generator too: as secret as the data);
+    # /dev/null keeps nothing
+    state = None if args.out == os.devnull else f"{args.out}.{run_hash}.pt"
+    mine = []  # this run's records already in --out
+    if args.resume and os.path.exists(args.out):
+        mine = [r for r in read_jsonl(args.out, "--out") if r.get("key") == key]
+    if any(r.get("mode") == "adapt" for r in mine):
         print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed}; skipped")
+        if os.path.exists(state):  # a kill between the run's record and the state's removal
+            os.remove(state)
         return 0
     resume = None
-    if args.resume and os.path.exists(state):
+    if state and os.path.exists(state) and args.resume:
         try:  # a killed run's state
-            resume = torch.load(state, map_location=device)
+            resume = torch.load(state, map_location=device, weights_only=False)
         except Exception as e:
-            warn(f"{state} is damaged ({one_line(e)}); starting afresh")
+            fail(f"{state} is damaged ({one_line(e)}): its run cannot go on, and starting it "
+                 "afresh would release its images again; remove the file and rerun without "
+                 "--resume for a new run (both runs' releases count)")
+    elif any(r.get("mode") == "corruption" for r in mine):
+        fail(f"--resume: {args.out} holds corruption records of this run but not its state "
+             f"({state}): it cannot go on without releasing their images again; rerun without "
+             "--resume for a new run (both runs' releases count)")
     handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     STOP.clear()
     try:
@@ -1276,7 +1415,11 @@ def main(argv=None):
                 tree = tempfile.TemporaryDirectory(prefix="dptta-synthetic-")
                 args.data = cleanup.enter_context(tree)
                 make_synthetic_tree(args.data, args.corruptions, args.severity, args.synthetic)
-            return adapt_and_record(args, key, device, hp_note, state, resume)
+            return adapt_and_record(args, key, device, hp_note, state, resume, mine)
+    except SystemExit as e:
+        if e.code == 3 and state and os.path.exists(state):  # diverged: nothing to resume
+            os.remove(state)
+        raise
     except KeyboardInterrupt:
         signum = (STOP or [signal.SIGINT])[0]
         print(f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are "
@@ -1286,10 +1429,18 @@ def main(argv=None):
         for s, h in handlers.items():
             signal.signal(s, h)
 
-def adapt_and_record(args, key, device, hp_note, state, resume=None):
+def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
     """Opens every input, then adapts; records and saves after each stream."""
     streams = open_streams(args.corruptions, args.data, args.severity)
     fisher_set = args.fisher_data and open_folder(args.fisher_data)
+    fisher_size, fisher_loader = args.hp.get("fisher_size", 2000), None
+    if fisher_set:  # the images the Fisher pass reads, checked before the first image
+        fisher_loader = image_stream(fisher_set, args.batch_size, seed=args.seed,
+                                     workers=args.workers, limit=fisher_size)
+        check_public(fisher_set, streams, fisher_loader.dataset.indices)
+        if args.privacy_unit == "photo":
+            warn("--fisher-data under --privacy-unit photo: its images must not be photos the "
+                 "streams are made of (ImageNet val is where ImageNet-C's come from)")
     model = build_model(args.model, args.checkpoint, random_weights=bool(args.synthetic))
     data_config = timm.data.resolve_data_config({}, model=model)
     transform = timm.data.create_transform(**data_config)
@@ -1314,20 +1465,23 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
     # conv trunks like channels_last
     if device.type == "cuda" and not hasattr(model, "blocks"):
         model = model.to(memory_format=torch.channels_last)
-    fisher_size = hp.pop("fisher_size", 2000)
+    hp.pop("fisher_size", None)
     photo = len(streams) if args.privacy_unit == "photo" else 1
     adapter = or_fail(
         DPTTA, model, args.method, eps=args.eps, delta=args.delta or 1e-6, clip=args.clip,
         lr=args.lr, privacy_unit=args.privacy_unit, repeats=args.repeat * photo,
-        seed=args.seed, bn=args.bn or "train", accumulate=args.accumulate, **hp)
-    if args.fisher_data:
-        loader = image_stream(fisher_set, args.batch_size, seed=args.seed, workers=args.workers)
-        clean = (x.to(device) for x, _, _ in loader if x is not None)
+        seed=args.seed, noise_seed=args.noise_seed, bn=args.bn or "train",
+        accumulate=args.accumulate, **hp)
+    if adapter.bn_src:  # dp_norm: one release per layer, refused before the first image
+        size = data_config["input_size"]
+        or_fail(adapter.check_releases, torch.zeros(1, *size, device=device))
+    if fisher_loader is not None:
+        clean = (x.to(device) for x, _, _ in fisher_loader if x is not None)
         with autocast(args):
             adapter.fisher = fisher_information(model, adapter.params, clean, fisher_size)
     elif adapter.base == "eata":
         warn(f"{args.method} without --fisher-data: no anti-forgetting penalty")
-    ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat)
+    ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat, args.privacy_unit)
     if has_bn:
         ledger["bn"] = adapter.bn
     print_header(args, adapter, ledger, device, hp_note)
@@ -1341,11 +1495,22 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
         sources = {"mixed": or_fail(Mixed, streams)}
     # what a killed run resumes from (with the adapter's state, saved after each corruption)
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)],
-               drift={}, done=[], images=0, unreadable=[], wall=0.0)
+               drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
     if resume is not None:
         require(resume["key"] == key, f"{state} belongs to another run; remove it")
         adapter.set_extra_state(resume.pop("adapter"))
         run = resume
+        # the state is saved before a corruption's record: a kill between the two left the
+        # record unwritten, and it is written now, once
+        written = [(r.get("corruption"), r.get("round")) for r in mine
+                   if r.get("mode") == "corruption" and r.get("run_id") == run["run_id"]]
+        saved = [(r["corruption"], r["round"]) for r in run["records"]]
+        require(set(written) <= set(saved), f"{state} is older than the records of its run in "
+                f"{args.out} (a state that could not be saved): it cannot go on; rerun without "
+                "--resume for a new run (both runs' releases count)")
+        for record in run["records"]:
+            if (record["corruption"], record["round"]) not in written:
+                append_jsonl(args.out, record)
         print(f"resumed run {run['run_id']} after {', '.join(run['done'])}")
     start, drift = time.time() - run["wall"], run["drift"]
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
@@ -1366,17 +1531,23 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
             drift[label] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
                                          for n, p in adapter.params.items()))
         note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
+        records = []
         for c, hits, n in zip(groups, correct, scored):
             run["rounds"][r][c] = top1 = 100 * hits / max(n, 1)
-            append_jsonl(args.out, dict(
+            records.append(dict(
                 mode="corruption", run_id=run["run_id"], key=key, corruption=c, round=r + 1,
                 accuracy=top1, error=100 - top1, images=n, skipped=len(bad),
                 drift=drift.get(label), smoke=bool(args.synthetic)))
             print(f"{c:<18} top-1 {top1:5.1f}% | {n} images | {rate(n, time.time() - t0)} | "
                   f"‖θ−θ0‖ {drift.get(label, 0.0):.4f}{note}", flush=True)
         run["done"].append(label)
+        run["records"] += records
         wall = time.time() - start
+        # the state first, then the records: a kill between them loses nothing (--resume
+        # writes the records it finds in the state) and duplicates nothing
         save_state(state, dict(run, wall=wall, adapter=adapter.get_extra_state()))
+        for record in records:
+            append_jsonl(args.out, record)
     # the mean over the rounds; each round's own in the record (the forgetting curve)
     accuracy = {c: float(np.mean([acc[c] for acc in run["rounds"]])) for c in streams}
     mean = sum(accuracy.values()) / len(accuracy)
@@ -1400,7 +1571,7 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
     if run["unreadable"]:
         print(f"{len(run['unreadable'])} unreadable image(s) skipped in all")
     append_jsonl(args.out, record)
-    if os.path.exists(state):
+    if state and os.path.exists(state):
         os.remove(state)
     print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | "
           f"appended to {args.out}")
@@ -1408,11 +1579,13 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None):
 
 def save_state(path, state):
     """torch.save, then a rename: a kill leaves the old state or the new."""
+    if path is None:  # --out /dev/null
+        return
     try:
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
     except (OSError, RuntimeError) as e:  # torch.save's full disk: RuntimeError
-        warn(f"cannot save {path} ({one_line(e)}): --resume would start afresh "
+        warn(f"cannot save {path} ({one_line(e)}): --resume will refuse to go on "
              "(the records go on)")
 
 # ============================================================================
@@ -1427,6 +1600,8 @@ def variant_of(record):
     column = f"ε={float(record['eps']):g}"  # "inf" in the file: ε=inf
     if record["key"].get("privacy_unit", "image") == "photo":
         column += " photo"
+    if record["key"].get("noise_seed") is not None:  # never averaged with secret noise
+        column += " noise-seed (not private)"
     return column
 
 def cell(values, error):
@@ -1447,7 +1622,8 @@ def summarize(path, per_corruption=False, error=False):
     full = [r for r in finals if not r.get("smoke") and r["key"].get("limit") is None]
     # table -> cell (the key but the seed) -> {seed: latest record}
     tables, duplicates = {}, 0
-    per_variant = "method eps clip lr hp privacy_unit seed".split()
+    per_variant = ("method eps delta clip lr hp privacy_unit noise_seed accumulate fisher_data "
+                   "seed").split()
     for r in full:
         key, seed = r["key"], r["key"]["seed"]
         fixed = {k: v for k, v in key.items() if k not in per_variant}
