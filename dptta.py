@@ -113,19 +113,31 @@ def couples_samples(m):
 VMAP_FALLBACKS = {}  # op -> passes that ran it once per sample
 
 def _trunk_cut(model):
-    """Where the trunk's top starts: the last 3 of `blocks` (timm's ViT,
-    DeiT, BEiT, EVA, CaiT, XCiT), the last of `stages` (ConvNeXt, Swin,
-    PVT), ResNet's last layerN; others: None (SAR, DeYO adapt all norms)."""
+    """Where the trunk's top starts; SAR and DeYO adapt the norms registered before it.
+    The trunk is the first container (Sequential, ModuleList) named
+    - blocks (timm ViT, DeiT, BEiT, EVA, CaiT, XCiT) or layer (Hugging Face ViT): its last
+      3 are the top (ViT-B/16: blocks 0-8 adapted, as SAR and DeYO do);
+    - layers: the last 3 of 6 or more blocks (torchvision ViT), else its last stage (timm
+      and Hugging Face Swin);
+    - stages (ConvNeXt, PVT, EdgeNeXt, MobileViT, Hugging Face ResNet) or features
+      (torchvision ConvNeXt, Swin): its last stage;
+    or ResNet's layer1..layerN: the last, as the originals' ResNets. None otherwise: all
+    norms are adapted."""
     layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if leaf in ("blocks", "stages") and isinstance(module, (nn.Sequential, nn.ModuleList)):
-            top = len(module) - {"blocks": 3, "stages": 1}[leaf]
-            if top > 0:
-                return f"{name}.{top}"
+        trunk = leaf in ("blocks", "layer", "layers", "stages", "features")
+        if trunk and isinstance(module, (nn.Sequential, nn.ModuleList)):
+            top = 1
+            if leaf in ("blocks", "layer") or (leaf == "layers" and len(module) >= 6):
+                top = 3
+            if len(module) > top:  # (a Sequential built from a dict names its items)
+                return f"{name}.{list(module._modules)[len(module) - top]}"
         if re.fullmatch(r"layer\d+", leaf) and isinstance(module, nn.Sequential):
             layers.append((int(leaf[5:]), name))
-    return max(layers)[1] if len(layers) > 1 else None
+    if len(layers) > 1:
+        return max(layers)[1]
+    return None
 
 def adaptable_params(model, *, skip_top=False, private=True):
     """{name: a norm layer's affine parameter}; skip_top (SAR, DeYO): below
@@ -383,7 +395,7 @@ class DPTTA(nn.Module):
              "keep (bn='source') or re-estimate (dp_norm)")
         if self.base == "norm":  # dp_norm: the first bn_layers, σ·√L
             need(bns and bn == "train", f"{method} re-estimates BatchNorm statistics: it "
-                 "needs a model with BatchNorm, and no bn='source'")
+                 "needs a model with BatchNorm, not frozen at its source statistics")
             need(bn_layers is None or isinstance(bn_layers, int) and 1 <= bn_layers <= len(bns),
                  f"bn_layers must be a count from 1 to the model's {len(bns)} BatchNorm layers "
                  f"(None: all), got {bn_layers}")
@@ -679,6 +691,7 @@ import copy
 import hashlib
 import json
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -698,15 +711,10 @@ HELD_OUT = ("speckle_noise", "gaussian_blur", "spatter", "saturate")  # for tuni
 LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: "
           "ROOT/<wnid>/*.jpg); ImageNet-C: https://zenodo.org/record/2235448")
 
-def reached_once(seen, path, node=None):
-    """Refuses a path whose node (device, inode) `seen` holds under another; its size."""
-    size = None
-    if node is None:
-        st = os.stat(path)
-        node, size = (st.st_dev, st.st_ino), st.st_size
+def reached_once(seen, path, node):
+    """Refuses a path whose node (device, inode) `seen` holds under another path."""
     first = seen.setdefault(node, path)
     need(first == path, f"{path} is {first} again (a link?): an image is in a stream once")
-    return size
 
 def file_digest(path):
     with open(path, "rb") as f:
@@ -726,49 +734,78 @@ def check_public(fisher_set, streams, used):
                 "EATA's Fisher images must be public, never the test stream")
     for i in used:
         path = fisher_set.samples[i][0]
-        same = [p for p in by_size.get(fisher_set.sizes[path], [])
-                if file_digest(p) == file_digest(path)]
+        same_size = by_size.get(fisher_set.sizes[path], [])
+        digest = file_digest(path) if same_size else None
+        same = [p for p in same_size if file_digest(p) == digest]
         require(not same, f"--fisher-data: {path} is a copy of the stream's {same[:1]}; EATA's "
                 "Fisher images must be public, never the test stream")
 
+def load_rgb(path):
+    """PIL's RGB image; 16-bit greyscale (I;16) scaled to 8 bits (PIL's convert clips it at
+    255: 99.7% white); 32-bit integer or float images refused (unreadable, named)."""
+    with Image.open(path) as img:
+        if img.mode.startswith("I;16"):
+            pixels = np.asarray(img, dtype=np.float64) / 257  # 65535 -> 255
+            return Image.fromarray(pixels.round().astype(np.uint8)).convert("RGB")
+        if img.mode in ("I", "F"):
+            raise ValueError(f"a {img.mode}-mode (32-bit) image: convert it to 8 bits")
+        return img.convert("RGB")
+
 class WnidFolder(ImageFolder):
-    """ImageFolder, ImageNet-1k targets by wnid (any subset); unreadable: (None, path)."""
+    """ImageFolder, ImageNet-1k targets by wnid (any subset); unreadable: (None, path).
+    Hidden files and folders (a leading '.': macOS' ._ twins, .DS_Store,
+    .ipynb_checkpoints) are skipped, and so are files that are not regular (a FIFO would
+    hang the loader); a folder inside a class folder is refused (its images would take the
+    class's label)."""
 
     def __init__(self, root, transform=None):
         super().__init__(root, transform)  # raises: no class folder, an empty one
         index = {w: i for i, w in enumerate(timm.data.ImageNetInfo().label_names())}
         unknown = [c for c in self.classes if c not in index]
         if unknown:
-            raise ValueError(f"{root}: {unknown[0]} is not an ImageNet-1k WordNet id; {LAYOUT}")
+            raise ValueError(f"{unknown[0]} is not an ImageNet-1k WordNet id")
         self.imagenet_index = [index[c] for c in self.classes]
+
+    def find_classes(self, directory):
+        classes = sorted(e.name for e in os.scandir(directory)
+                         if e.is_dir() and not e.name.startswith("."))
+        if not classes:
+            raise FileNotFoundError(f"no class folder in {directory}")
+        return classes, {c: i for i, c in enumerate(classes)}
 
     def make_dataset(
             self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
         """ImageFolder's listing; a path reached twice (a link, a loop) refused."""
         self.nodes, self.sizes = {}, {}  # {(device, inode): path} for Mixed; {path: bytes}
-        once = partial(reached_once, self.nodes)
-        once(directory)
-        valid = is_valid_file or partial(has_file_allowed_extension, extensions=extensions)
         samples = []
-        for c in sorted(class_to_idx):
-            walk = []
-            for folder, _, files in os.walk(os.path.join(directory, c), followlinks=True):
-                once(folder)  # a loop stops here, at its first turn
-                walk.append((folder, sorted(files)))
-            # ImageFolder's order: by folder, then by file
-            found = [os.path.join(d, f) for d, fs in sorted(walk) for f in fs]
-            found = [p for p in found if valid(p)]
+        for folder in [directory] + [os.path.join(directory, c) for c in sorted(class_to_idx)]:
+            st = os.stat(folder)
+            reached_once(self.nodes, folder, (st.st_dev, st.st_ino))
+            if folder == directory:
+                continue
+            found = []
+            for name in sorted(os.listdir(folder)):
+                if name.startswith("."):  # hidden: macOS' ._ twins, .DS_Store, checkpoints
+                    continue
+                path = os.path.join(folder, name)
+                st = os.stat(path)
+                if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                    continue  # a FIFO, a socket, a device
+                reached_once(self.nodes, path, (st.st_dev, st.st_ino))
+                if stat.S_ISDIR(st.st_mode):
+                    raise ValueError(f"{path} is a folder inside a class folder")
+                if has_file_allowed_extension(path, extensions):
+                    found.append(path)
+                    self.sizes[path] = st.st_size
             if not found and not allow_empty:
-                raise FileNotFoundError(f"Found no valid file for the classes {c}")
-            for path in found:
-                self.sizes[path] = once(path)
-                samples.append((path, class_to_idx[c]))
+                raise FileNotFoundError(f"no image in class folder {folder}")
+            samples += [(path, class_to_idx[os.path.basename(folder)]) for path in found]
         return samples
 
     def __getitem__(self, i):
         path, c = self.samples[i]
         try:
-            return self.transform(self.loader(path)), self.imagenet_index[c]
+            return self.transform(load_rgb(path)), self.imagenet_index[c]
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             return None, path  # truncated, corrupt, not an image, a bomb
 
@@ -810,9 +847,9 @@ class Mixed(torch.utils.data.ConcatDataset):
     def __init__(self, streams):
         super().__init__(list(streams.values()))
         # one stream: no file in two corruptions' folders
-        once = partial(reached_once, {})
+        seen = {}
         for node, path in (n for ds in self.datasets for n in ds.nodes.items()):
-            once(path, node)
+            reached_once(seen, path, node)
         self.targets = [ds.imagenet_index[t] for ds in self.datasets for t in ds.targets]
 
     def __getitem__(self, i):
@@ -926,6 +963,7 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
 # signals received, checked by the stream loop
 STOP = []
+PROGRESS_SECONDS = 60  # a progress line at least this often on long work
 
 def fail(msg, code=2):  # one line on stderr; exit 2 (bad input) or code
     print(f"dptta: error: {msg}", file=sys.stderr)
@@ -1081,14 +1119,15 @@ def check_args(args):
     kind, _, alpha = args.order.partition(":")
     require(args.order in ("random", "class") or kind == "dirichlet" and _positive(alpha),
             f"--order is random, class or dirichlet:ALPHA (ALPHA > 0), got {args.order!r}")
-    for flag in ("repeat", "accumulate"):
-        require(getattr(args, flag) == 1 or not stateless,
+    for flag in ("repeat", "accumulate"):  # (dp_norm keeps its average: both apply)
+        require(getattr(args, flag) == 1 or args.method not in ("source", "norm"),
                 f"--{flag}: {args.method} keeps no state, so it changes nothing")
     require(args.repeat == 1 or args.setting != "episodic",
             "--repeat is for continual or mixed streams (episodic resets)")
     require(args.severity is None or args.dataset == "imagenet_c",
             "--severity: ImageNet-C only")
-    args.severity = args.severity or 5
+    if args.severity is None:
+        args.severity = 5
     require(1 <= args.severity <= 5, f"--severity must be in 1..5, got {args.severity}")
     args.hp = parse_hp(args.hp)
     for name in sorted(set(args.hp) - constants_used(args.method, bool(args.fisher_data))):
@@ -1125,10 +1164,18 @@ def _positive(text):
         return False
 
 def check_out(args, default):
-    """--out (or default): a writable file, or one its folder can hold."""
+    """--out (or default): a regular file, writable, or a new one its folder can hold;
+    /dev/null discards the records (said so)."""
     args.out = args.out or default
+    if args.out == os.devnull:
+        require(not getattr(args, "resume", False),
+                f"--resume: --out {os.devnull} keeps nothing to resume")
+        print(f"note: --out {os.devnull}: the records are discarded")
+        return
     folder = os.path.dirname(os.path.abspath(args.out))
     require(not os.path.isdir(args.out), f"--out {args.out} is a folder")
+    require(not os.path.exists(args.out) or os.path.isfile(args.out),
+            f"--out {args.out} is not a regular file (a FIFO, a device?)")
     require(os.path.isdir(folder), f"--out {args.out}: its folder does not exist")
     require(os.access(args.out if os.path.exists(args.out) else folder, os.W_OK),
             f"--out {args.out} is not writable")
@@ -1147,15 +1194,25 @@ def open_folder(folder):
     try:
         return WnidFolder(folder)
     except (OSError, ValueError) as e:
-        fail(f"{folder}: {one_line(e)}; {LAYOUT}")
+        fail(f"{folder}: {one_line(e)}; {LAYOUT}")  # the error names the file, not the layout
 
 def open_streams(corruptions, root, severity):
     """{corruption: WnidFolder}, all scanned before the first image."""
     return {c: open_folder(os.path.join(root, c, str(severity)) if c != "imagenet_r" else root)
             for c in corruptions}
 
-def build_model(name, checkpoint=None, random_weights=False):
-    """A timm model: pretrained, from a local checkpoint, or random."""
+def check_batchnorm(model, name, method, bn):
+    """Per-sample gradients (dp_, --clip) need BatchNorm frozen: in the CLI's words."""
+    has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
+    require(not has_bn or bn == "source",
+            f"{name} has BatchNorm, which normalizes with the test batch and so mixes its "
+            f"samples: {method} needs per-sample gradients; --bn source freezes it at its "
+            "source statistics (a per-sample map)")
+
+def build_model(name, checkpoint=None, random_weights=False, seed=0):
+    """A timm model: pretrained, from a local checkpoint, or random (seeded: a smoke run's
+    rerun or resume sees the same weights)."""
+    torch.manual_seed(seed)
     try:
         model = timm.create_model(name, pretrained=not (random_weights or checkpoint))
     except Exception as e:  # no network, no cache, ...
@@ -1198,22 +1255,31 @@ def jsonable(x):
     return x
 
 def read_jsonl(path, flag):
-    """A JSONL file's records: damaged lines named, skipped; none: exit 2."""
-    require(os.path.isfile(path), f"{flag} {path} does not exist")
-    records, damaged = [], []
-    with open(path, errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    """[(line number, record)] of a JSONL file. A damaged line (a record cut by a crash or a
+    full disk, NUL bytes) is skipped and named; a file with no record is refused as not a
+    JSONL file unless every line of it starts like one ({, UTF-8)."""
+    require(os.path.isfile(path), f"{flag} {path} does not exist or is not a regular file")
+    records, damaged, foreign = [], [], False
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.strip(b" \t\r\n\x00")
+            if not line:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
                 record = None
             if isinstance(record, dict):
-                records.append(record)
-            else:
-                damaged.append(n)
-    require(records or not damaged, f"{path} has no JSON line: not a JSONL file?")
+                records.append((n, record))
+                continue
+            damaged.append(n)
+            try:
+                text = line.decode()
+            except UnicodeDecodeError:
+                text = ""
+            if not text.startswith("{"):  # not a cut record: binary, or another format
+                foreign = True
+    require(records or not foreign, f"{path} has no JSON line: not a JSONL file?")
     if damaged:
         lines = ", ".join(map(str, damaged[:5])) + ", ..." * (len(damaged) > 5)
         warn(f"{path}: skipped {len(damaged)} damaged line(s) ({lines})")
@@ -1308,12 +1374,26 @@ def print_header(args, a, ledger, device, hp_note):
         hp = "".join(f" | {k}={v:g}" for k, v in args.hp.items())
         print(f"lr {a.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting "
               f"{len(a.params)} tensors, {n:,} scalars{hp}")
-    if "bn" in ledger:
+    if ledger.get("bn") == "private statistics":
+        print(f"BatchNorm: private statistics in {a.releases} layer(s), the others frozen")
+    elif "bn" in ledger:
         print(f"BatchNorm: {a.bn} (train: the test batch's statistics; source: frozen)")
 
 def _stop(signum, frame):
     STOP.append(signum)
     raise KeyboardInterrupt
+
+def progress(loader, what):
+    """The loader's batches, with a line at least once a minute (--log-every is per stream)."""
+    t0 = last = time.time()
+    images = 0
+    for batch in loader:
+        yield batch
+        images += len(batch[2]) if batch[0] is None else len(batch[0])
+        if time.time() - last > PROGRESS_SECONDS:
+            last = time.time()
+            print(f"  {what}: {images}/{len(loader.dataset)} images, {rate(images, last - t0)}",
+                  flush=True)
 
 def rate(n, seconds):
     return f"{n / max(seconds, 1e-9):.3g} img/s"
@@ -1334,6 +1414,7 @@ def stream_through(a, loader, c, *, args, lookup, groups=1):
     device = args.device
     correct, scored = torch.zeros(2, groups, dtype=torch.long, device=device)
     unreadable, t0 = [], time.time()
+    last = t0
     for i, (x, y, bad) in enumerate(loader):
         # a signal that a DataLoader worker swallowed: stop all the same
         if STOP:
@@ -1355,8 +1436,9 @@ def stream_through(a, loader, c, *, args, lookup, groups=1):
         stop_unless_finite(a, f"batch {i + 1} of {c}", logits)
         correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
         scored += torch.bincount(group[y >= 0], minlength=groups)
-        if (i + 1) % args.log_every == 0:
-            seen, hits = scored.sum().item(), correct.sum().item()
+        # progress every --log-every batches, and at least once a minute
+        if (i + 1) % args.log_every == 0 or time.time() - last > PROGRESS_SECONDS:
+            last, seen, hits = time.time(), scored.sum().item(), correct.sum().item()
             top1 = 100 * hits / max(seen, 1)
             print(f"  {c} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% "
                   f"{rate(seen, time.time() - t0)}", flush=True)
@@ -1388,7 +1470,7 @@ def main(argv=None):
     state = None if args.out == os.devnull else f"{args.out}.{run_hash}.pt"
     mine = []  # this run's records already in --out
     if args.resume and os.path.exists(args.out):
-        mine = [r for r in read_jsonl(args.out, "--out") if r.get("key") == key]
+        mine = [r for _, r in read_jsonl(args.out, "--out") if r.get("key") == key]
     if any(r.get("mode") == "adapt" for r in mine):
         print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed}; skipped")
         if os.path.exists(state):  # a kill between the run's record and the state's removal
@@ -1441,7 +1523,7 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
         if args.privacy_unit == "photo":
             warn("--fisher-data under --privacy-unit photo: its images must not be photos the "
                  "streams are made of (ImageNet val is where ImageNet-C's come from)")
-    model = build_model(args.model, args.checkpoint, random_weights=bool(args.synthetic))
+    model = build_model(args.model, args.checkpoint, bool(args.synthetic), args.seed)
     data_config = timm.data.resolve_data_config({}, model=model)
     transform = timm.data.create_transform(**data_config)
     for ds in filter(None, [*streams.values(), fisher_set]):
@@ -1451,6 +1533,9 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
             f"--hp patch_grid={hp.get('patch_grid')}: more patches than {side} pixels")
     has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
     require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm")
+    per_sample = args.clip is not None and args.method not in ("source", "norm", "dp_norm")
+    if per_sample:
+        check_batchnorm(model, args.model, args.method, args.bn)
     lookup, logits = None, getattr(model, "num_classes", 0)
     # ImageNet-R: the 1000-way head read at the classes present
     if args.dataset == "imagenet_r":
@@ -1476,14 +1561,16 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
         size = data_config["input_size"]
         or_fail(adapter.check_releases, torch.zeros(1, *size, device=device))
     if fisher_loader is not None:
-        clean = (x.to(device) for x, _, _ in fisher_loader if x is not None)
+        print(f"EATA's Fisher information on {len(fisher_loader.dataset)} clean images ...",
+              flush=True)
+        clean = (x.to(device) for x, _, _ in progress(fisher_loader, "Fisher") if x is not None)
         with autocast(args):
             adapter.fisher = fisher_information(model, adapter.params, clean, fisher_size)
     elif adapter.base == "eata":
         warn(f"{args.method} without --fisher-data: no anti-forgetting penalty")
     ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat, args.privacy_unit)
-    if has_bn:
-        ledger["bn"] = adapter.bn
+    if has_bn:  # what BatchNorm normalized with
+        ledger["bn"] = "private statistics" if adapter.bn_src else adapter.bn
     print_header(args, adapter, ledger, device, hp_note)
     n = min(min(len(ds) for ds in streams.values()), args.limit or math.inf)
     if ledger["private"] and args.delta >= 1 / n:
@@ -1527,9 +1614,7 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
             adapter, loader, label, args=args, lookup=lookup, groups=len(groups))
         run["images"] += sum(scored)
         run["unreadable"] += bad
-        if adapter.params:  # ‖θ − θ0‖, public (a function of θ)
-            drift[label] = math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
-                                         for n, p in adapter.params.items()))
+        drift[label] = drift_of(adapter)
         note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
         records = []
         for c, hits, n in zip(groups, correct, scored):
@@ -1538,8 +1623,11 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
                 mode="corruption", run_id=run["run_id"], key=key, corruption=c, round=r + 1,
                 accuracy=top1, error=100 - top1, images=n, skipped=len(bad),
                 drift=drift.get(label), smoke=bool(args.synthetic)))
-            print(f"{c:<18} top-1 {top1:5.1f}% | {n} images | {rate(n, time.time() - t0)} | "
-                  f"‖θ−θ0‖ {drift.get(label, 0.0):.4f}{note}", flush=True)
+            moved = ""
+            if drift[label] is not None:
+                moved = f" | {DRIFT_LABEL[bool(adapter.bn_src)]} {drift[label]:.4f}"
+            print(f"{c:<18} top-1 {top1:5.1f}% | {n} images | {rate(n, time.time() - t0)}"
+                  f"{moved}{note}", flush=True)
         run["done"].append(label)
         run["records"] += records
         wall = time.time() - start
@@ -1577,6 +1665,19 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
           f"appended to {args.out}")
     return 0
 
+DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}
+
+def drift_of(adapter):
+    """How far adaptation has moved, public (a function of the releases): ‖θ − θ0‖, or
+    dp_norm's averaged statistics' distance from the source's in z units; None: no state."""
+    if adapter.bn_src:
+        return math.sqrt(sum(m.pow(2).sum().item() + (v - 1).pow(2).sum().item()
+                             for m, v in adapter.bn_ema.values()))
+    if not adapter.params:
+        return None
+    return math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
+                         for n, p in adapter.params.items()))
+
 def save_state(path, state):
     """torch.save, then a rename: a kill leaves the old state or the new."""
     if path is None:  # --out /dev/null
@@ -1593,14 +1694,32 @@ def save_state(path, state):
 from scipy import stats
 
 # -- --summarize: the paper's tables from a results file ---------------------
-def variant_of(record):
+KEY_FIELDS = "method eps clip seed dataset severity model setting batch_size corruptions".split()
+
+def finite_number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+def readable(record):
+    """Whether --summarize can read the record: a run's or a corruption's fields, finite."""
+    key = record.get("key")
+    if not isinstance(key, dict) or not all(k in key for k in KEY_FIELDS):
+        return False
+    if not isinstance(key["corruptions"], list):
+        return False
+    accuracy = record.get("accuracy")
+    if record.get("mode") == "corruption":
+        return finite_number(accuracy) and isinstance(record.get("corruption"), str)
+    return (finite_number(record.get("mean")) and isinstance(accuracy, dict)
+            and all(finite_number(a) for a in accuracy.values()))
+
+def variant_of(key):
     """A run's column: non-private, clip-only, ε=inf (no noise) or ε=<eps>."""
-    if not record["method"].startswith("dp_"):
-        return "clip-only" if record["clip"] else "non-private"
-    column = f"ε={float(record['eps']):g}"  # "inf" in the file: ε=inf
-    if record["key"].get("privacy_unit", "image") == "photo":
+    if not str(key["method"]).startswith("dp_"):
+        return "clip-only" if key["clip"] else "non-private"
+    column = f"ε={float(key['eps']):g}"  # "inf" in the file: ε=inf
+    if key.get("privacy_unit", "image") == "photo":
         column += " photo"
-    if record["key"].get("noise_seed") is not None:  # never averaged with secret noise
+    if key.get("noise_seed") is not None:  # never averaged with secret noise
         column += " noise-seed (not private)"
     return column
 
@@ -1610,15 +1729,27 @@ def cell(values, error):
     return f"{np.mean(v):.1f}{spread} (n={len(v)})"
 
 def summarize(path, per_corruption=False, error=False):
-    """Methods × variants of complete runs, mean ± std over seeds; the rest apart."""
-    records = read_jsonl(path, "--summarize")
-    finals = [r for r in records if r.get("mode") == "adapt" and "key" in r]
+    """Methods × variants of complete runs, mean ± std over seeds; the rest apart. One table
+    per setting (what the key holds but the method, its privacy and its hyperparameters),
+    one row per method: its non-private, clip-only and ε columns side by side."""
+    records, unreadable = [], []
+    for n, r in read_jsonl(path, "--summarize"):
+        if r.get("mode") not in ("adapt", "corruption"):
+            continue  # --benchmark's and --audit's records
+        if readable(r):
+            records.append(r)
+        else:
+            unreadable.append(n)
+    if unreadable:
+        warn(f"{path}: skipped {len(unreadable)} record(s) lacking fields or finite numbers "
+             f"(line(s) {', '.join(map(str, unreadable[:5]))})")
+    finals = [r for r in records if r["mode"] == "adapt"]
     done = [r["key"] for r in finals]  # a dead run rerun to the end: done
     # run_id -> the corruption records of a run with no final record
     unfinished = {}
     for r in records:
-        if r.get("mode") == "corruption" and r["key"] not in done:
-            unfinished.setdefault(r["run_id"], []).append(r)
+        if r["mode"] == "corruption" and r["key"] not in done:
+            unfinished.setdefault(r.get("run_id"), []).append(r)
     full = [r for r in finals if not r.get("smoke") and r["key"].get("limit") is None]
     # table -> cell (the key but the seed) -> {seed: latest record}
     tables, duplicates = {}, 0
@@ -1637,8 +1768,8 @@ def summarize(path, per_corruption=False, error=False):
     for table, cells in tables.items():
         k, entries = json.loads(table), []
         for runs in (list(group.values()) for group in cells.values()):
-            base = runs[0]["method"].removeprefix("dp_")
-            entries.append((base, variant_of(runs[0]), runs))
+            key = runs[0]["key"]
+            entries.append((str(key["method"]).removeprefix("dp_"), variant_of(key), runs))
         print(f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | "
               f"batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions | "
               f"mean {what} over seeds")
@@ -1649,18 +1780,18 @@ def summarize(path, per_corruption=False, error=False):
             # two settings of a cell (tuning) are told apart
             label = base
             if sum(e[:2] == (base, variant) for e in entries) > 1:
-                label += f" C={runs[0]['clip']} lr={runs[0]['lr']:g} {runs[0].get('hp') or ''}"
+                key = runs[0]["key"]
+                label += f" C={key['clip']} lr={key.get('lr')} {key.get('hp') or ''}"
             rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
         width = max(22, *(len(v) + 2 for row in rows.values() for v in row.values()))
         print(f"{'method':<14}" + "".join(f"{c:>{width}}" for c in columns))
-        method_order = ("source", "norm") + BASES
-        for label in sorted(rows, key=lambda r: (method_order.index(r.split()[0]), r)):
+        for label in sorted(rows, key=method_rank):
             row = "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns)
             print(f"{label:<14}{row}")
         if per_corruption:
             print(f"per corruption, {what}:")
             for base, variant, runs in entries:
-                per = {c: cell([r["accuracy"][c] for r in runs], error)
+                per = {c: cell([r["accuracy"][c] for r in runs if c in r["accuracy"]], error)
                        for c in runs[0]["accuracy"]}
                 print(f"  {base} {variant}: " + " | ".join(f"{c} {v}" for c, v in per.items()))
     if duplicates:
@@ -1669,8 +1800,9 @@ def summarize(path, per_corruption=False, error=False):
     if others:
         print("\nnot in the tables (smoke or --limit runs):")
         for r in others:
-            why = "smoke" if r.get("smoke") else f"limit {r['key'].get('limit')}"
-            print(f"  {r['method']} {variant_of(r)} seed {r['seed']} ({why}): "
+            key = r["key"]
+            why = "smoke" if r.get("smoke") else f"limit {key.get('limit')}"
+            print(f"  {key['method']} {variant_of(key)} seed {key['seed']} ({why}): "
                   f"mean {r['mean']:.1f}")
     if unfinished:
         print("\nunfinished runs (no final record; finished corruptions only):")
@@ -1682,6 +1814,12 @@ def summarize(path, per_corruption=False, error=False):
     if not finals and not unfinished:
         print(f"no adaptation runs in {path}")
     return 0
+
+def method_rank(label):
+    """The method table's order; a method of the user's own after the built-ins."""
+    known = ("source", "norm") + BASES
+    name = label.split()[0]
+    return (known.index(name) if name in known else len(known), label)
 
 # -- --benchmark: the cost of privacy, measured side by side -----------------
 # Every filter open, every sample kept: H <= ln K always, so margins of 1.01·ln K keep all;
@@ -1701,6 +1839,7 @@ def benchmark(args):
     B, acc = args.batch_size or (64 if cuda else 32), args.accumulate
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(device)
+    check_batchnorm(model, f"--benchmark --model {name}", "dp_ and clip", args.bn)
     data_config = timm.data.resolve_data_config({}, model=model)
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(B * acc, *data_config["input_size"], generator=gen).to(device)
@@ -1774,7 +1913,7 @@ def benchmark(args):
         loader_rate = sum(len(xb) for xb, _, _ in loader) / (time.perf_counter() - t)
     need_rate = max(r["images_per_s"] for r in rows[1:])
     print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG, timm transform, {args.workers} "
-          f"workers); the slowest step above needs {need_rate:.0f} img/s at most")
+          f"workers); the fastest step above takes {need_rate:.0f} img/s")
     append_jsonl(args.out, dict(
         mode="benchmark", model=name, batch=B, device=device.type, dtype=args.dtype,
         rounds=args.rounds, rows=rows, vmap_fallbacks=fallbacks,

@@ -18,7 +18,8 @@
 #   --accumulate so that batch x accumulate = 64),
 #   METHODS ("source tent eata sar deyo deyo_come"), VARIANTS ("plain clip dp"),
 #   EPSILONS ("20 15 10 5 1"), OUT (results.jsonl), TUNE_OUT (tune.jsonl), TUNED (tuned.json),
-#   EXTRA (more dptta.py flags, e.g. "--limit 2000 --fisher-data /data/imagenet/val").
+#   EXTRA (more dptta.py flags, e.g. "--limit 2000 --fisher-data /data/imagenet/val"),
+#   PYTHON (the interpreter with torch and timm; default python3, e.g. .venv/bin/python).
 #   A subset, e.g. METHODS="sar deyo" VARIANTS="dp" EPSILONS="5 1" ./run_imagenet_c.sh
 # Resumable: every cell runs with --resume, so cells already in $OUT are skipped.
 # The paper's constants are passed where they differ from the originals' (--hp e_margin=0.5
@@ -34,7 +35,7 @@ SEEDS=${SEEDS:-"0 1 2"}; SETTINGS=${SETTINGS:-"continual episodic"}; BATCHES=${B
 METHODS=${METHODS:-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS:-"plain clip dp"}
 EPSILONS=${EPSILONS-"20 15 10 5 1"}
 OUT=${OUT:-results.jsonl}; TUNE_OUT=${TUNE_OUT:-tune.jsonl}; TUNED=${TUNED:-tuned.json}
-EXTRA=${EXTRA:-}
+EXTRA=${EXTRA:-}; PYTHON=${PYTHON:-python3}
 stage=main; dry=0; count=0; tuned=0
 for arg in "$@"; do
   case $arg in
@@ -55,7 +56,7 @@ esac
 # One line of dptta.py flags per cell, from dptta's own tables of the paper's values.
 grid() {
   STAGE=$stage SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS BATCHES=$BATCHES \
-  EPSILONS=$EPSILONS TUNED=$([ $tuned = 1 ] && echo "$TUNED") python3 - <<'PY'
+  EPSILONS=$EPSILONS TUNED=$([ $tuned = 1 ] && echo "$TUNED") "$PYTHON" - <<'PY'
 import itertools, json, os, sys
 import dptta
 env = {k: os.environ[k].split()
@@ -146,7 +147,7 @@ fi
 if [ $count = 1 ]; then echo ${#cells[@]}; exit 0; fi
 out=$OUT; [ $stage = tune ] && out=$TUNE_OUT
 command_of() {  # the exact command of cell $1, as it runs and as --dry-run prints it
-  echo "python3 dptta.py ${cells[$1]} --out $(printf %q "$out") --resume${EXTRA:+ $EXTRA}"
+  echo "$(printf %q "$PYTHON") dptta.py ${cells[$1]} --out $(printf %q "$out") --resume${EXTRA:+ $EXTRA}"
 }
 if [ $dry = 1 ]; then
   for j in "${!cells[@]}"; do command_of "$j"; done
@@ -154,23 +155,25 @@ if [ $dry = 1 ]; then
   exit 0
 fi
 
-# Once, before any cell: the data root and the weights (offline, each cell would otherwise
-# spend a minute in download retries and fail)
+# Once, before any cell: the data root and the weights of every model the cells use (offline,
+# each cell would otherwise spend a minute in download retries and fail)
 # shellcheck disable=SC2086  # a cell and EXTRA are lists of flags: split them into words
-python3 - $EXTRA <<'PY' || exit 2
+CELLS=$cells_text "$PYTHON" - $EXTRA <<'PY' || exit 2
 import os, sys
 import dptta
-args = dptta.parse_args(sys.argv[1:])
+cells = [dptta.parse_args(cell.split() + sys.argv[1:]) for cell in os.environ["CELLS"].splitlines()]
+args = cells[0]
 if not args.synthetic:
     dptta.require(args.data and os.path.isdir(args.data),
                   f"IMAGENET_C={args.data or ''} is not a folder: set IMAGENET_C, or --data in EXTRA")
-    if not args.checkpoint:
-        dptta.build_model(args.model or dptta.DEFAULT_MODEL)  # fetched once, or one line and exit 2
+    if not args.checkpoint:  # fetched once each, or one line and exit 2
+        for model in sorted({cell.model or dptta.DEFAULT_MODEL for cell in cells}):
+            dptta.build_model(model)
 PY
 
 # shellcheck disable=SC2086
 if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then  # one cell per array task; the summary is yours
-  exec python3 dptta.py ${cells[$SLURM_ARRAY_TASK_ID]} --out "$out" --resume $EXTRA
+  exec "$PYTHON" dptta.py ${cells[$SLURM_ARRAY_TASK_ID]} --out "$out" --resume $EXTRA
 fi
 ngpu=0
 if command -v nvidia-smi > /dev/null 2>&1; then
@@ -185,7 +188,7 @@ worker() {  # worker g runs every nworkers-th cell; a signal stops it and its ru
   trap '[ -n "$child" ] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
   for (( j = g; j < ${#cells[@]}; j += nworkers )); do
     if [ "$ngpu" -gt 0 ]; then export CUDA_VISIBLE_DEVICES=$g; fi
-    python3 dptta.py ${cells[$j]} --out "$out" --resume $EXTRA &  # as command_of prints it
+    "$PYTHON" dptta.py ${cells[$j]} --out "$out" --resume $EXTRA &  # as command_of prints it
     child=$!
     rc=0; wait "$child" || rc=$?
     child=
@@ -211,7 +214,7 @@ wait "${pids[@]}"
 trap - INT TERM
 
 if [ $stage = tune ]; then  # per setting, method and column: the (C, lr) with the best mean
-  python3 - "$TUNE_OUT" "$TUNED" <<'PY'
+  "$PYTHON" - "$TUNE_OUT" "$TUNED" <<'PY'
 import json, sys
 best = {}
 for r in map(json.loads, filter(str.strip, open(sys.argv[1]))):
@@ -225,5 +228,5 @@ json.dump({k: [c, lr] for k, (_, c, lr) in sorted(best.items())}, open(sys.argv[
 print(f"chose C and lr for {len(best)} cells -> {sys.argv[2]}")
 PY
 else
-  python3 dptta.py --summarize "$out"
+  "$PYTHON" dptta.py --summarize "$out"
 fi

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from functools import partial
 
 import numpy as np
@@ -417,6 +418,33 @@ def test_model_table_per_sample_pass_is_exact_with_no_per_sample_loop(family):
     torch.testing.assert_close(logits, dptta.logits_of(m(x)))
     with no_vmap_fallback():  # and a whole private step
         assert a(x).shape == (3, K)
+
+
+TOP_OF = {  # family -> the module names SAR and DeYO leave alone (the trunk's top and after)
+    "timm Swin": ("layers.1", "norm", "head"),  # timm's Swin: `layers` of stages, the last
+    "timm ConvNeXt": ("stages.3", "head"),
+    "timm PVT-v2": ("stages.3", "head"),
+    "torchvision ViT": ("encoder.layers.encoder_layer_1", "encoder.ln", "heads"),
+    "torchvision Swin": ("features.3", "norm", "head"),  # [embed, stage, merge, stage]
+    "torchvision ConvNeXt": ("features.3", "classifier"),
+}
+
+
+@pytest.mark.parametrize("family", list(TOP_OF))
+def test_sar_and_deyo_leave_the_trunks_top_alone_in_every_family(family):
+    """SAR and DeYO adapt the norms below the trunk's top (ViT-B/16: blocks 0-8, a ResNet:
+    all but layer4); the cut is found for timm's, torchvision's and Swin's trunk names."""
+    m = MODELS[family]()
+    every = dptta.adaptable_params(m)
+    lower = dptta.adaptable_params(m, skip_top=True)
+    top = TOP_OF[family]
+    assert lower and set(lower) < set(every)
+    assert all(not n.startswith(top) for n in lower), family
+    assert all(n in lower for n in every if not n.startswith(top)), family
+    vit = TV.VisionTransformer(image_size=32, patch_size=8, num_layers=8, num_heads=2,
+                               hidden_dim=16, mlp_dim=32, num_classes=K)  # 8 blocks: top 3
+    kept = {n.split(".")[2] for n in dptta.adaptable_params(vit, skip_top=True)}
+    assert kept == {f"encoder_layer_{i}" for i in range(5)}
 
 
 def test_batchnorm_at_source_statistics_adapts_per_sample_and_train_mode_never_does():
@@ -1723,6 +1751,28 @@ def test_unreadable_image_keeps_its_place_in_the_batch():
     assert dptta.collate_skipping([(None, "p"), (None, "q")]) == (None, None, ["p", "q"])
 
 
+def test_hidden_files_special_files_and_16_bit_images_as_real_trees_hold_them(tmp_path):
+    """macOS' ._ twins, .DS_Store and a .ipynb_checkpoints class folder are skipped (they
+    would take placeholder slots, or abort the run); a FIFO named *.JPEG is not listed (the
+    loader would hang on it); a 16-bit greyscale PNG keeps its grey (PIL's convert clips it
+    at 255: 99.7% white); a folder inside a class folder is refused, naming it."""
+    wnid = "n01440764"
+    image_folder(tmp_path, wnid, 2)
+    (tmp_path / wnid / "._0.JPEG").write_bytes(b"\0\5\x16\7 AppleDouble")
+    (tmp_path / wnid / ".DS_Store").write_bytes(b"Bud1")
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    os.mkfifo(tmp_path / wnid / "pipe.JPEG")
+    grey = np.full((16, 16), 30000, dtype=np.uint16)  # 30000/65535 of white: 117 in 8 bits
+    Image.fromarray(grey).save(tmp_path / wnid / "deep.png")
+    ds = dptta.WnidFolder(str(tmp_path), timm.data.create_transform(input_size=(3, 8, 8)))
+    assert sorted(os.path.basename(p) for p, _ in ds.samples) == ["0.JPEG", "1.JPEG", "deep.png"]
+    pixels = np.asarray(dptta.load_rgb(str(tmp_path / wnid / "deep.png")))
+    assert pixels.shape == (16, 16, 3) and abs(int(pixels.mean()) - 117) <= 1
+    (tmp_path / wnid / "nested").mkdir()
+    with pytest.raises(ValueError, match="nested is a folder inside a class folder"):
+        dptta.WnidFolder(str(tmp_path))
+
+
 # ----------------------------------------------------------------------------
 # The command line, on generated ImageNet-C trees
 
@@ -1775,10 +1825,26 @@ def final_record(path):
     return [r for r in records(path) if r["mode"] == "adapt"][-1]
 
 
+def run_main(*args):
+    """dptta.main in this process, its output captured as a subprocess' would be (a
+    subprocess costs ~6 s of imports; the tests of a real process use cli)."""
+    argv = [str(a) for a in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            code = dptta.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 def adapt(tree, out, *extra):
     root, ckpt = tree
-    r = cli("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL,
-            "--checkpoint", ckpt, "--batch-size", 4, "--workers", 0, "--out", out, *extra)
+    r = run_main("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model",
+                 CLI_MODEL, "--checkpoint", ckpt, "--batch-size", 4, "--workers", 0, "--out", out,
+                 *extra)
     assert r.returncode == 0, r.stderr
     with open(out) as f:
         return r, json.loads(f.read().splitlines()[-1])
@@ -1804,8 +1870,42 @@ def test_records_are_whole_lines_of_standard_json_even_after_a_damaged_one(tmp_p
                                                          "drift": "nan"}
     got = dptta.read_jsonl(str(out), "--out")  # the damaged line skipped, and named once
     err = capsys.readouterr().err
-    assert [r["mode"] for r in got] == ["adapt", "corruption"]
+    assert [r["mode"] for _, r in got] == ["adapt", "corruption"]
     assert "skipped 1 damaged line(s) (2)" in err and len(err.splitlines()) == 1
+
+
+def test_a_file_whose_only_line_is_a_cut_record_is_read_not_refused(tmp_path, capsys):
+    """A crash or a full disk during the first write leaves one cut line: it is skipped and
+    named (every --resume cell of a grid would stop otherwise); a binary or other file is
+    still refused."""
+    out = tmp_path / "r.jsonl"
+    out.write_bytes(b'{"mode": "corruption", "run_id": "a", "key": {"meth')
+    assert dptta.read_jsonl(str(out), "--out") == []
+    assert "skipped 1 damaged line(s) (1)" in capsys.readouterr().err
+    out.write_bytes(b'\x00' * 4096 + b'{"mode": "adapt"}\n')  # a zero-filled block (ext4)
+    assert dptta.read_jsonl(str(out), "--out") == [(1, {"mode": "adapt"})]
+    for other in (b"PK\x03\x04\x14\x00binary", b"method,eps\ndp_tent,5\n"):
+        out.write_bytes(other)
+        with pytest.raises(SystemExit) as e:
+            dptta.read_jsonl(str(out), "--out")
+        assert e.value.code == 2 and "not a JSONL file" in capsys.readouterr().err
+
+
+def test_out_is_a_regular_file_or_new_and_dev_null_is_said_to_discard(tree, tmp_path, capsys):
+    fifo = tmp_path / "r.jsonl"
+    os.mkfifo(fifo)
+    for argv, message in ((["--out", str(fifo)], "is not a regular file"),
+                          (["--out", str(fifo), "--resume"], "is not a regular file"),
+                          (["--out", os.devnull, "--resume"], "keeps nothing to resume")):
+        with pytest.raises(SystemExit) as e:
+            dptta.main(["--synthetic", "2", "--workers", "0"] + argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    root, ckpt = tree
+    assert dptta.main(["--data", str(root), "--corruptions", "gaussian_noise", "--model",
+                       CLI_MODEL, "--checkpoint", str(ckpt), "--method", "source",
+                       "--workers", "0", "--out", os.devnull]) == 0
+    assert "--out /dev/null: the records are discarded" in capsys.readouterr().out
 
 
 def test_a_full_disk_stops_the_run_and_prints_the_record(capsys):
@@ -1843,7 +1943,7 @@ def test_cli_end_to_end_jsonl_ledger_skips_unreadable_and_episodic_resets(tree, 
     assert epi["drift"]["shot_noise"] == alone["drift"]["shot_noise"]
     assert epi["drift"]["shot_noise"] != cont["drift"]["shot_noise"]
     # the summary table
-    r = cli("--summarize", out)
+    r = run_main("--summarize", out)
     assert r.returncode == 0
     assert "tent" in r.stdout and "ε=5" in r.stdout and "continual" in r.stdout
     # resumable: the same cell is not run twice
@@ -1866,7 +1966,7 @@ def always_900(path):
 def test_cli_scores_by_wordnet_id_on_a_subset_of_classes(tmp_path):
     from timm.data import ImageNetInfo
     image_folder(tmp_path / "c" / "shot_noise" / "5", ImageNetInfo().label_names()[900])
-    r = cli("--data", tmp_path / "c", "--corruptions", "shot_noise", "--model", CLI_MODEL,
+    r = run_main("--data", tmp_path / "c", "--corruptions", "shot_noise", "--model", CLI_MODEL,
             "--checkpoint", always_900(tmp_path / "900.pth"), "--method", "source",
             "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
@@ -1878,7 +1978,7 @@ def test_cli_imagenet_r_scores_on_the_classes_present(tmp_path):
     names = ImageNetInfo().label_names()
     for k in (1, 900):  # two of ImageNet-R's classes: the head is read at [1, 900] only
         image_folder(tmp_path / "r", names[k])
-    r = cli("--data", tmp_path / "r", "--dataset", "imagenet_r", "--model", CLI_MODEL,
+    r = run_main("--data", tmp_path / "r", "--dataset", "imagenet_r", "--model", CLI_MODEL,
             "--checkpoint", always_900(tmp_path / "900.pth"), "--method", "tent",
             "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
@@ -1894,6 +1994,10 @@ def bad_input_cases(root, ckpt):
         "missing corruption folder": (ok + ["--severity", "3"], "missing"),
         "unknown method": (ok + ["--method", "bogus"], "invalid choice"),
         "unknown corruption": (["--data", root, "--corruptions", "rain"], "unknown corruption"),
+        "severity 0": (ok + ["--severity", "0"], "--severity must be in 1..5"),
+        "bn layers over the model's": (["--synthetic", "2", "--model", "resnet18", "--method",
+                                        "dp_norm", "--hp", "bn_layers=100"],
+                                       "bn_layers must be a count from 1 to the model's 20"),
         "no corruptions": (ok + ["--corruptions", ""], "--corruptions is empty"),
         "eps on non-private": (ok + ["--method", "tent", "--eps", "5"], "dp_ methods only"),
         "eps on source": (ok + ["--method", "source", "--eps", "5"], "source is not private"),
@@ -1940,7 +2044,7 @@ def bad_input_cases(root, ckpt):
                                   "--checkpoint", ckpt], "class folder"),
         "later class without images": (["--data", os.path.join(root, "bad"), "--corruptions",
                                         "gaussian_noise,defocus_blur", "--model", CLI_MODEL,
-                                        "--checkpoint", ckpt], "no valid file"),
+                                        "--checkpoint", ckpt], "no image in class folder"),
         "benchmark unknown model": (["--benchmark", "--model", "no_such_net"],
                                     "unknown timm model"),
         "benchmark batchnorm": (["--benchmark", "--model", "resnet18", "--device", "cpu"],
@@ -1984,6 +2088,7 @@ def bad_input_cases(root, ckpt):
         "accumulate on source": (ok + ["--method", "source", "--accumulate", "4"],
                                  "keeps no state, so it changes nothing"),
         "repeat on norm": (ok + ["--method", "norm", "--repeat", "3"], "keeps no state"),
+        "accumulate on norm": (ok + ["--method", "norm", "--accumulate", "3"], "keeps no state"),
         "repeat episodic": (ok + ["--repeat", "2", "--setting", "episodic"], "--repeat is for"),
         "dp_norm constant on tent": (ok + ["--method", "tent", "--hp", "bn_scale=1"],
                                      "does not change a tent run"),
@@ -2010,6 +2115,8 @@ def test_cli_bad_input_is_one_line_and_exit_2_before_any_image(tree, case, capsy
     assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert "top-1" not in captured.out  # nothing was streamed
     assert "dp_source" not in err  # no advice to use a method that does not exist
+    assert 'bn="source"' not in err and "bn='source'" not in err  # CLI flags, not keywords
+    assert err.count("expected ROOT/") <= 1  # said once
 
 
 def test_cli_bad_input_in_a_real_process_has_no_traceback(tree):
@@ -2075,7 +2182,7 @@ def test_non_finite_logits_stop_the_run_and_leave_no_file(tree, tmp_path):
     record (not even an empty --out: the first record makes the file)."""
     root, ckpt = tree
     out = tmp_path / "r.jsonl"
-    r = cli("--data", root, "--corruptions", "gaussian_noise", "--model", CLI_MODEL,
+    r = run_main("--data", root, "--corruptions", "gaussian_noise", "--model", CLI_MODEL,
             "--checkpoint", ckpt, "--batch-size", 4, "--workers", 0, "--method", "tent",
             "--lr", "1e30", "--out", out)
     assert r.returncode == 3 and "not finite after batch" in r.stderr and not out.exists()
@@ -2165,7 +2272,7 @@ def test_a_kill_between_state_and_record_neither_loses_nor_repeats_a_record(tree
     assert [(r["mode"], r.get("corruption")) for r in rs] == [
         ("corruption", "gaussian_noise"), ("corruption", "shot_noise"), ("adapt", None)]
     assert len({r["run_id"] for r in rs}) == 1
-    r = cli("--summarize", out)
+    r = run_main("--summarize", out)
     assert "unfinished" not in r.stdout and "1 record(s) repeat" not in r.stdout
 
 
@@ -2211,7 +2318,7 @@ def test_resume_key_covers_the_weights(tree, tmp_path):
     assert "already in" in r.stdout
     other = tmp_path / "other.pth"
     other.write_bytes(ckpt.read_bytes())
-    r = cli("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL,
+    r = run_main("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL,
             "--checkpoint", other, "--batch-size", 4, "--workers", 0, "--out", out,
             "--method", "source", "--resume")
     assert r.returncode == 0 and "already in" not in r.stdout  # other weights: a new run
@@ -2241,15 +2348,24 @@ def test_a_failed_smoke_run_leaves_no_temp_tree(tmp_path):
 
 
 def test_dp_norm_through_the_cli_prints_and_records_its_layers(tmp_path):
+    """What dp_norm releases and what ran: its layers' statistics (no θ moves), said in the
+    header, each corruption's line and the ledger; it keeps an average, so --repeat and
+    --accumulate apply."""
     out = tmp_path / "r.jsonl"
-    r = cli("--synthetic", 2, "--model", "resnet18", "--method", "dp_norm", "--eps", 5,
-            "--hp", "bn_layers=4", "--corruptions", "gaussian_noise", "--workers", 0,
-            "--out", out)
+    r = run_main("--synthetic", 2, "--model", "resnet18", "--method", "dp_norm", "--eps", 5,
+                 "--hp", "bn_layers=4", "--corruptions", "gaussian_noise", "--workers", 0,
+                 "--batch-size", 1, "--accumulate", 2, "--repeat", 2, "--out", out)
     assert r.returncode == 0, r.stderr
-    assert "L = 4 BN layers, each σ_l = √L·σ = 3.9202" in r.stdout
-    led = final_record(out)["ledger"]
-    assert led["releases"] == 4 and led["sigma"] == pytest.approx(1.9601, abs=1e-4)
+    assert "L = 4 BN layers, each σ_l = √L·σ = " in r.stdout
+    assert "released: the 4 layers' BatchNorm statistics" in r.stdout
+    assert "BatchNorm: private statistics in 4 layer(s)" in r.stdout
+    assert "‖θ−θ0‖" not in r.stdout and "stats from source (z)" in r.stdout
+    rec = final_record(out)
+    led = rec["ledger"]
+    assert led["releases"] == 4 and led["bn"] == "private statistics" and led["rounds"] == 2
+    assert led["sigma"] == pytest.approx(1.9601 * math.sqrt(2), abs=2e-4)  # σ·√rounds
     assert led["eps_per_test_image"] == pytest.approx(5.0, rel=1e-6)
+    assert rec["key"]["accumulate"] == 2 and rec["drift"]["gaussian_noise#1"] > 0
 
 
 def test_synthetic_smoke_run(tmp_path):
@@ -2259,11 +2375,29 @@ def test_synthetic_smoke_run(tmp_path):
     assert "SMOKE RUN" in r.stdout and "mean top-1" in r.stdout
 
 
-def test_cli_eata_uses_fisher_data(tree, tmp_path):
+def test_smoke_runs_random_weights_come_from_the_seed(tmp_path):
+    """Two identical smoke runs are identical (and so is a resumed one's model); another
+    --seed gives other weights."""
+    def drift(seed):
+        out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.jsonl"
+        r = run_main("--synthetic", 4, "--model", CLI_MODEL, "--method", "tent", "--corruptions",
+                     "gaussian_noise", "--workers", 0, "--batch-size", 4, "--seed", seed,
+                     "--out", out)
+        assert r.returncode == 0, r.stderr
+        return final_record(out)["drift"]["gaussian_noise"]
+
+    assert drift(0) == drift(0) != drift(1)
+
+
+def test_cli_eata_uses_fisher_data(tree, tmp_path, monkeypatch):
     root, _ = tree
+    monkeypatch.setattr(dptta, "PROGRESS_SECONDS", -1)  # a progress line after every batch
     r, rec = adapt(tree, tmp_path / "r.jsonl", "--method", "dp_eata", "--eps", 5, "--fisher-data",
                    root / "shot_noise" / "5", "--corruptions", "gaussian_noise")
     assert "no anti-forgetting penalty" not in r.stderr and rec["method"] == "dp_eata"
+    assert "EATA's Fisher information on 12 clean images" in r.stdout
+    assert "  Fisher: 4/12 images" in r.stdout  # long work shows progress, by time
+    assert "  gaussian_noise 4/13 top-1" in r.stdout
     r, _ = adapt(tree, tmp_path / "r.jsonl", "--method", "dp_eata", "--eps", 5)
     assert "no anti-forgetting penalty" in r.stderr
 
@@ -2341,15 +2475,21 @@ GRID = os.path.join(HERE, "run_imagenet_c.sh")
 
 
 def grid(*args, **env):
+    """The grid run with this interpreter (a venv's python need not be python3 on PATH)."""
     return subprocess.run(["bash", GRID, *args], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, **env))
+                          env=dict(os.environ, **{"PYTHON": sys.executable, **env}))
+
+
+PY = subprocess.run(["bash", "-c", 'printf %q "$0"', sys.executable], capture_output=True,
+                    text=True).stdout  # the interpreter as the grid prints it
 
 
 def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
     r = grid("--dry-run", SEEDS="0 1", SETTINGS="continual episodic", OUT="r s.jsonl",
              EXTRA="--limit 9")
     assert r.returncode == 0, r.stderr
-    lines = [line for line in r.stdout.splitlines() if line.startswith("python3 dptta.py")]
+    lines = [line.replace(PY, "python3", 1) for line in r.stdout.splitlines()
+             if line.startswith(f"{PY} dptta.py")]
     assert len(lines) == 2 * 2 * (1 + 5 * 7) and "# 144 cells (main)" in r.stdout
     tail = r" --out r\ s.jsonl --resume --limit 9"
     assert ("python3 dptta.py --method dp_tent --eps 5 --clip 1 --lr 0.001 --setting continual "
@@ -2365,13 +2505,13 @@ def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
     assert "speckle_noise,gaussian_blur,spatter,saturate" in r.stdout
     r = grid("--dry-run", SEEDS="0", SETTINGS="continual", METHODS="sar", VARIANTS="dp",
              EPSILONS="5 1")
-    assert r.stdout.count("python3 dptta.py --method dp_sar") == 2 and "# 2 cells" in r.stdout
+    assert r.stdout.count(f"{PY} dptta.py --method dp_sar") == 2 and "# 2 cells" in r.stdout
 
 
 def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
     (tmp_path / "python3").write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
     (tmp_path / "python3").chmod(0o755)
-    r = grid("--count", PATH=f"{tmp_path}:{os.environ['PATH']}")
+    r = grid("--count", PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHON="python3")
     assert r.returncode == 1 and "could not list the grid" in r.stderr and r.stdout == ""
     r = grid("--dry-run", METHODS="tent", VARIANTS="dp", EPSILONS="")
     assert r.returncode == 2 and "empty" in r.stderr
@@ -2389,7 +2529,7 @@ def test_grid_runs_on_a_cpu_without_nvidia_smi_and_summarizes(tree, tmp_path):
              "--workers 0 --batch-size 4 --limit 8")
     env = dict(SEEDS="0", SETTINGS="continual", METHODS="tent", EPSILONS="5",
                OUT=str(tmp_path / "g.jsonl"), EXTRA=extra,
-               PATH=os.path.dirname(sys.executable) + ":/usr/bin:/bin")
+               PATH="/usr/bin:/bin")  # this interpreter comes through PYTHON, not PATH
     if subprocess.run(["sh", "-c", "command -v nvidia-smi"], env=env).returncode == 0:
         pytest.skip("this machine has nvidia-smi")
     r = grid(**env)
@@ -2399,6 +2539,15 @@ def test_grid_runs_on_a_cpu_without_nvidia_smi_and_summarizes(tree, tmp_path):
     assert sorted((x["method"], str(x["clip"])) for x in finals) == [
         ("dp_tent", "1.0"), ("tent", "0.1"), ("tent", "None")]
     assert "not in the tables (smoke or --limit runs)" in r.stdout  # --limit runs: listed apart
+
+
+def test_the_grids_bn_stage_checks_the_weights_its_cells_use(tmp_path):
+    """Before any cell, the weights of every model the stage's cells name are loaded once:
+    the bn stage's ResNet-50, not the default ViT-B/16 (offline: one line naming it)."""
+    r = grid("bn", IMAGENET_C=str(tmp_path), SEEDS="0", SETTINGS="continual", HF_HUB_OFFLINE="1",
+             HF_HOME=str(tmp_path / "hf"), TORCH_HOME=str(tmp_path / "torch"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "resnet50.tv_in1k" in r.stderr and "vit_base" not in r.stderr
 
 
 def processes_with(marker):
@@ -2425,7 +2574,8 @@ def wait_until(check, seconds):
 
 def test_sigterm_stops_the_grid_and_every_worker(tmp_path):
     marker = str(tmp_path / "marker.jsonl")
-    env = dict(os.environ, SEEDS="0 1 2", SETTINGS="continual", METHODS="tent", OUT=marker,
+    env = dict(os.environ, PYTHON=sys.executable, SEEDS="0 1 2", SETTINGS="continual",
+               METHODS="tent", OUT=marker,
                TMPDIR=str(tmp_path), EXTRA=f"--synthetic 400 --model {CLI_MODEL} --workers 0")
     p = subprocess.Popen(["bash", GRID], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          text=True)
@@ -2498,12 +2648,47 @@ def test_summarize_groups_seeds_of_one_cell_only(tmp_path, capsys):
     assert f"{100 - np.mean([60, 62, 99]):.1f}" in out
 
 
+def test_summarize_skips_and_names_records_it_cannot_read(tmp_path, capsys):
+    """Valid JSON lines lacking fields or holding "nan" are skipped and named, never a
+    traceback; a method of the user's own is tabled after the built-ins."""
+    good = fake_run("tent", 0, 60.0)
+    no_key = dict(good, run_id="x")
+    del no_key["key"]
+    nan = dict(fake_run("tent", 1, 61.0), mean="nan")
+    partial = {"mode": "corruption", "key": fake_run("tent", 2, 0)["key"], "accuracy": "nan"}
+    mine = fake_run("my_loss", 0, 70.0)
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in (good, no_key, nan, partial, mine)))
+    assert dptta.main(["--summarize", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 3 record(s) lacking fields or finite numbers (line(s) 2, 3, 4)" in captured.err
+    rows = [line.split()[0] for line in captured.out.splitlines() if line[:1].isalpha()]
+    assert rows[-2:] == ["tent", "my_loss"]
+
+
+def test_summarize_puts_a_methods_variants_on_one_row_of_one_table(tmp_path, capsys):
+    """Non-private (δ None), clip-only and ε columns differ in δ, hp and accumulate: one
+    setting is still one table, one method one row."""
+    runs = [fake_run("sar", 0, 60.0), fake_run("sar", 0, 62.0, clip=1.0),
+            fake_run("dp_sar", 0, 58.0, eps=5.0, clip=1.0)]
+    runs[0]["key"].update(hp={"e_margin": 0.5}, delta=None)
+    runs[1]["key"].update(hp={"e_margin": 0.5}, delta=None)
+    runs[2]["key"].update(accumulate=64)
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in runs))
+    assert dptta.main(["--summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| mean top-1 %") == 1
+    row = next(line for line in out.splitlines() if line.startswith("sar"))
+    assert "60.0 (n=1)" in row and "62.0 (n=1)" in row and "58.0 (n=1)" in row
+
+
 # ----------------------------------------------------------------------------
 # --benchmark
 
 def test_benchmark_prints_table_and_json(tmp_path):
     out = tmp_path / "bench.jsonl"
-    r = cli("--benchmark", "--model", CLI_MODEL, "--batch-size", 2, "--device", "cpu",
+    r = run_main("--benchmark", "--model", CLI_MODEL, "--batch-size", 2, "--device", "cpu",
             "--rounds", 1, "--workers", 0, "--out", out)
     assert r.returncode == 0, r.stderr
     rec = json.loads(out.read_text())
@@ -2513,6 +2698,8 @@ def test_benchmark_prints_table_and_json(tmp_path):
         assert row["ms"] > 0 and row["ratio"] > 0 and row["variant"] in r.stdout
     assert rec["loader_images_per_s"] > 0 and "loader:" in r.stdout
     assert rec["vmap_fallbacks"] == 0 and "vmap fallbacks: 0" in r.stdout
+    fastest = max(row["images_per_s"] for row in rec["rows"][1:])
+    assert f"the fastest step above takes {fastest:.0f} img/s" in r.stdout
 
 
 # ----------------------------------------------------------------------------
@@ -2594,7 +2781,7 @@ def test_end_to_end_game_alone_catches_half_the_noise_and_a_skipped_clip(monkeyp
 
 def test_the_audit_shows_an_original_leaks_and_makes_no_claim(tmp_path):
     out = tmp_path / "a.jsonl"
-    r = cli("--audit", "--method", "tent", "--trials", 500, "--e2e-trials", 200, "--out", out)
+    r = run_main("--audit", "--method", "tent", "--trials", 500, "--e2e-trials", 200, "--out", out)
     assert r.returncode == 0, r.stderr
     assert "NOT PRIVATE" in r.stdout and "limited by 500 trials" in r.stdout
     rec = json.loads(out.read_text())
