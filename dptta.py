@@ -1,23 +1,40 @@
-"""dptta: differentially private test-time adaptation. Tent, EATA, SAR, DeYO and COME adapt
-a model's normalization layers θ on unlabeled test batches, and θ leaks them; DP-TTA makes
-each update private, so θ and every prediction for *other* images can be released.
+"""dptta: differentially private test-time adaptation (DP-TTA), in one file.
 
-    g_i = ∇θ ℓ(x_i)                                    one sample's own loss
-    Δ   = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B   clip, sum, noise, average
-    θ  ← SGD-momentum(θ, Δ)                             post-processing
+Test-time adaptation (Tent, EATA, SAR, DeYO, COME) tunes a model's normalization layers θ on
+the unlabeled test stream, and θ then leaks the test images. DP-TTA makes every update
+differentially private, so that θ and every prediction for *other* images can be released:
 
-    python dptta.py --synthetic 16 --method dp_tent --eps 5     # a smoke run, CPU, ~1 min
-    adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)  # as a library
+    g_i = ∇θ ℓ(x_i)                                       one sample's own loss
+    Δ   = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B      clip, sum, noise, average
+    θ  ← SGD-momentum(θ, Δ)                                post-processing: free
+
+What is private: one test image, against streams that differ by replacing it (so one
+clipped gradient moves the sum by at most 2C). Each image is in one step, and later steps
+see it only through θ, so the whole stream is μ-GDP with μ = 2/σ (Dong, Roth & Su 2022):
+δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ). The noise is secret: drawn from a generator
+seeded from OS entropy (a known seed would let anyone subtract it).
+
+    python dptta.py --synthetic 16 --method dp_tent --eps 5    # a smoke run: CPU, a minute
+    python dptta.py --method dp_deyo --eps 5                   # ImageNet-C, $IMAGENET_C, GPU
+    adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)  # the library: Part I
+
+Part I (to the Part II banner: the accountant, the per-sample pass, the methods, DPTTA and
+DPNorm) is the method, with torch, numpy and scipy only: copy it. Part II streams ImageNet-C
+through it from the command line; the Appendix holds the tools (--summarize, --benchmark,
+--audit).
 """
+
 # ============================================================================
-# Part I: DP-TTA, one block to copy (torch, numpy, scipy). Part II: ImageNet-C; Appendix: tools
+# Part I: DP-TTA (torch, numpy, scipy). Part II: ImageNet-C from the command line; Appendix: tools
 import contextlib
 import math
 import os
 import re
 import warnings
 import weakref
+from dataclasses import dataclass, field, replace
 from functools import partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,41 +44,51 @@ from scipy import optimize, special
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-def need(ok, problem):  # an argument check: raises, in one line
+
+def need(ok, problem):
+    """An argument check: a ValueError whose message is one line."""
     if not ok:
         raise ValueError(problem)
 
-# -- Privacy accounting: one pass, μ-GDP with μ = 2/σ ------------------------
-EPS_MAX = 1e6  # σ ≈ 1e-3: beyond it the accountant's root finder loses its footing
 
-def _check_privacy(eps=None, delta=None, sigma=None):  # NaN: refused
+# ----------------------------------------------------------------------------
+# Privacy accounting: one pass over the stream is μ-GDP with μ = 2/σ
+EPS_MAX = 1e6  # beyond it σ is below 1e-3 and the root finder below loses its footing
+
+
+def _check_privacy(eps=None, delta=None, sigma=None):
+    """Arguments of the accountant; NaN fails every comparison, so it is refused too."""
     need(eps is None or eps > 0, f"eps must be > 0 (inf: no noise), got {eps}")
-    need(eps is None or eps <= EPS_MAX or math.isinf(eps),
-         f"eps must be <= {EPS_MAX:g} or inf (no noise), got {eps}")
+    need(eps is None or eps <= EPS_MAX or math.isinf(eps), f"eps must be <= {EPS_MAX:g} or inf")
     need(delta is None or 0 < delta < 1, f"delta must be in (0, 1), got {delta}")
     need(sigma is None or sigma >= 0, f"sigma must be >= 0, got {sigma}")
 
+
 def _log_gdp_delta(eps, sigma):
-    # δ = Φ(x) − e^ε Φ(x − μ), x = −ε/μ + μ/2, in logs: log δ = log Φ(x) + log(1 − e^−D) with
-    # D = log Φ(x) − ε − log Φ(x − μ) > 0, so no Φ underflows (large ε, small δ)
+    """log δ(ε) of μ-GDP, μ = 2/σ, computed so that no Φ underflows.
+
+    δ = Φ(x) − e^ε Φ(x − μ) with x = −ε/μ + μ/2. In logs, log δ = log Φ(x) + log(1 − e^−D)
+    where D = log Φ(x) − ε − log Φ(x − μ) > 0: both logs stay finite for large ε and tiny δ.
+    For large σ the two terms of D nearly cancel; then D is integrated instead,
+    D = ∫_{x−μ}^{x} (φ(u)/Φ(u) + u) du, by a 16-point Gauss-Legendre rule (exact to rounding).
+    """
     mu = 2 / sigma
     x = -eps / mu + mu / 2
     log_phi = special.log_ndtr(x)
     D = log_phi - eps - special.log_ndtr(x - mu)
-    # near cancellation (large σ): D = ∫_{x−μ}^{x} (φ/Φ(u) + u) du
     if D < 0.1:
-        nodes, weights = np.polynomial.legendre.leggauss(16)  # exact to rounding
+        nodes, weights = np.polynomial.legendre.leggauss(16)
         u = x - mu / 2 + nodes * mu / 2
-        hazard = np.exp(-u ** 2 / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))
+        hazard = np.exp(-(u**2) / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))
         D = mu / 2 * np.sum(weights * (hazard + u))
-    # rounding, only at Φ(x) < 1e-300: δ <= Φ(x), the safe side
-    if not D > 0:
+    if not D > 0:  # rounding, only where Φ(x) < 1e-300: δ <= Φ(x) is the safe side
         return log_phi
     return log_phi + np.log(-np.expm1(-D))
 
+
 def gdp_delta(*, eps, sigma):
-    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ): a sum of sensitivity 2C
-    with noise σC is (2/σ)-GDP (Dong, Roth & Su 2022, Cor. 2.13)."""
+    """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ): a sum of sensitivity 2C with Gaussian
+    noise of standard deviation σC is (2/σ)-GDP (Dong, Roth & Su 2022, Cor. 2.13)."""
     _check_privacy(eps=eps, sigma=sigma)
     if sigma == 0:
         return 1.0
@@ -69,8 +96,9 @@ def gdp_delta(*, eps, sigma):
         return 0.0
     return float(np.exp(_log_gdp_delta(eps, sigma)))
 
-def _root(f, lo, hi):
-    """The smallest x with f(x) <= 0, f decreasing; never a hair short."""
+
+def _smallest(f, lo, hi):
+    """The smallest x with f(x) <= 0 for a decreasing f, never a hair short of it."""
     while f(lo) < 0:
         lo /= 2
     while f(hi) > 0:
@@ -80,49 +108,60 @@ def _root(f, lo, hi):
         x *= 1 + 1e-10
     return float(x)
 
+
 def calibrate_sigma(*, eps, delta, repeats=1):
-    """The smallest σ with gdp_delta(eps, σ/√k) <= delta, k = repeats: k
-    (2/σ)-GDP releases are (2√k/σ)-GDP (ibid., Cor. 3.3). eps = inf: 0."""
+    """The smallest σ with δ(ε) <= delta for `repeats` releases of each unit: k releases of
+    (2/σ)-GDP compose to (2√k/σ)-GDP (ibid., Cor. 3.3), so σ = √k·σ_1. eps = inf: σ = 0.
+    The root is found on δ as gdp_delta computes it, so the σ returned meets delta exactly."""
     _check_privacy(eps=eps, delta=delta)
     if math.isinf(eps):
         return 0.0
-    # f = δ(σ)/δ − 1, computed as gdp_delta computes it: exactly <= delta
-    sigma = _root(lambda s: np.exp(_log_gdp_delta(eps, s)) / delta - 1, 0.1, 1.0)
+    sigma = _smallest(lambda s: _relative_excess(eps, s, delta), 0.1, 1.0)
     return sigma * math.sqrt(repeats)
 
+
 def gdp_epsilon(*, sigma, delta):
-    """The smallest ε with gdp_delta(ε, sigma) <= delta; inf for σ = 0."""
+    """The smallest ε with δ(ε) <= delta at noise σ; inf for σ = 0 (no noise)."""
     _check_privacy(delta=delta, sigma=sigma)
     if sigma == 0:
         return math.inf
-    if _log_gdp_delta(0.0, sigma) <= math.log(delta):
+    f = partial(_relative_excess, sigma=sigma, delta=delta)
+    if f(0.0) <= 0:  # (the root finder below halves its lower end: 0 would never move)
         return 0.0
-    return _root(lambda e: np.exp(_log_gdp_delta(e, sigma)) / delta - 1, 0.0, 1.0)
+    return _smallest(f, 0.0, 1.0)
 
-# -- Per-sample gradients, clipping and noise --------------------------------
-BATCH_NORM = nn.modules.batchnorm._BatchNorm  # timm's BatchNormAct2d too
-# the adaptable norm layers (their subclasses too: timm's LayerNorm2d, GroupNorm1, BatchNormAct2d);
-# timm's own RmsNorm and SimpleNorm subclass none of these: add them here to adapt them
-NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.instancenorm._InstanceNorm,
-         BATCH_NORM)
 
-def couples_samples(m):
-    """A BatchNorm that normalizes with the batch: in train mode, or with no running statistics
-    (track_running_stats=False: the batch even in eval mode)."""
-    return isinstance(m, BATCH_NORM) and (m.training or m.running_mean is None)
-VMAP_FALLBACKS = {}  # op -> passes that ran it once per sample
+def _relative_excess(eps, sigma, delta):
+    """δ(ε)/δ − 1, computed as gdp_delta computes δ: <= 0 exactly where δ(ε) <= δ."""
+    return np.exp(_log_gdp_delta(eps, sigma)) / delta - 1
+
+
+# ----------------------------------------------------------------------------
+# What adapts: the norm layers' affine parameters θ
+BATCH_NORM = nn.modules.batchnorm._BatchNorm  # timm's BatchNormAct2d is one too
+# The adaptable norm layers, with their subclasses (timm's LayerNorm2d, GroupNorm1, BatchNormAct2d).
+# timm's own RmsNorm, SimpleNorm and EvoNorm subclass none of them: add them here to adapt them.
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.instancenorm._InstanceNorm, BATCH_NORM)
+
+
+def couples_samples(module):
+    """A BatchNorm that normalizes with the batch itself: in train mode, or without running
+    statistics (track_running_stats=False uses the batch even in eval mode). Through it a
+    sample's output, and so its gradient, depends on every other sample of the batch."""
+    return isinstance(module, BATCH_NORM) and (module.training or module.running_mean is None)
+
 
 def _trunk_cut(model):
-    """Where the trunk's top starts; SAR and DeYO adapt the norms registered before it.
-    The trunk is the first container (Sequential, ModuleList) named
+    """The name of the module where the trunk's top starts; SAR and DeYO adapt the norms
+    registered before it. The trunk is the first container (Sequential, ModuleList) named
     - blocks (timm ViT, DeiT, BEiT, EVA, CaiT, XCiT) or layer (Hugging Face ViT): its last
-      3 are the top (ViT-B/16: blocks 0-8 adapted, as SAR and DeYO do);
+      3 are the top (ViT-B/16: blocks 0-8 are adapted, as SAR and DeYO do);
     - layers: the last 3 of 6 or more blocks (torchvision ViT), else its last stage (timm
       and Hugging Face Swin);
     - stages (ConvNeXt, PVT, EdgeNeXt, MobileViT, Hugging Face ResNet) or features
       (torchvision ConvNeXt, Swin): its last stage;
-    or ResNet's layer1..layerN: the last, as the originals' ResNets. None otherwise: all
-    norms are adapted."""
+    or else ResNet's layer1..layerN: the last, as the originals' ResNets. None: no trunk is
+    recognized, and every norm is adapted."""
     layers = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -131,7 +170,7 @@ def _trunk_cut(model):
             top = 1
             if leaf in ("blocks", "layer") or (leaf == "layers" and len(module) >= 6):
                 top = 3
-            if len(module) > top:  # (a Sequential built from a dict names its items)
+            if len(module) > top:  # a Sequential built from a dict names its items
                 return f"{name}.{list(module._modules)[len(module) - top]}"
         if re.fullmatch(r"layer\d+", leaf) and isinstance(module, nn.Sequential):
             layers.append((int(leaf[5:]), name))
@@ -139,75 +178,105 @@ def _trunk_cut(model):
         return max(layers)[1]
     return None
 
+
 def adaptable_params(model, *, skip_top=False, private=True):
-    """{name: a norm layer's affine parameter}; skip_top (SAR, DeYO): below
-    the top only (ViT-B/16: blocks 0-8); private: BatchNorm refused."""
-    bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)][:1]
-    need(not (private and bn), f"BatchNorm ({', '.join(bn)}, ...) mixes the samples of a "
-         'batch: no per-sample gradients (dp_, clip); bn="source" keeps its statistics')
-    cut, params, seen = skip_top and _trunk_cut(model), {}, set()
-    for name, m in model.named_modules():
+    """{name: parameter} of the norm layers' affine parameters, in the model's order.
+
+    skip_top: only those below the trunk's top (SAR, DeYO; see _trunk_cut). private: the
+    per-sample gradients of DP and clip-only runs, which refuse a BatchNorm model (its train
+    mode mixes the samples; bn="source" freezes it instead). A tensor tied to two modules
+    (one tensor, two names) is adapted once, under its first name."""
+    bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)] + [""]
+    why = f"BatchNorm {bn[0]} mixes the samples of a batch: no per-sample gradients (dp_, clip)"
+    need(not (private and bn[0]), why + '; bn="source" freezes it at its source statistics')
+    cut = _trunk_cut(model) if skip_top else None
+    params, seen = {}, set()
+    for name, module in model.named_modules():
         if name == cut:
             break
-        if isinstance(m, NORMS):
-            for k, p in m.named_parameters(recurse=False):
-                if id(p) not in seen:  # a tensor tied to two modules: adapted once
+        if isinstance(module, NORMS):
+            for leaf, p in module.named_parameters(recurse=False):
+                if id(p) not in seen:
                     seen.add(id(p))
-                    params[f"{name}.{k}"] = p
+                    params[f"{name}.{leaf}"] = p
     need(params, "the model has no norm-layer affine parameters to adapt")
     return params
 
+
+# ----------------------------------------------------------------------------
+# Per-sample gradients on torch.func: one batched pass, no per-sample loop
+def logits_of(out):
+    """The logits [B, K] in a model's output: the output itself, its .logits, or its
+    ["logits"] (a Hugging Face ModelOutput)."""
+    z = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", out)
+    if not isinstance(z, torch.Tensor):
+        kind = type(out).__name__
+        raise TypeError(f"the model returned a {kind}; DPTTA needs logits [B, K] or .logits")
+    return z
+
+
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
-    """({name: g [B, *shape]}, logits), g_i = ∇θ loss_fn(f_θ(x_i), ctx_i);
-    loss_fn: (logits [N, K], ctx [N, ...] or None) -> [N]. x_i gets its own
-    view θ_i of θ, a vmapped forward; ONE backward of Σ_j ℓ_j gives each θ_i
-    its g_i (vmap(grad) would loop: fused attention's backward has no rule)."""
-    coupled = [n for n, m in model.named_modules() if couples_samples(m)]
-    need(not coupled, f"BatchNorm {', '.join(coupled)} in train mode or without running "
-         "statistics: no per-sample gradients")
+    """Every sample's own gradient, and the logits: ({name: g [B, *shape]}, logits [B, K]).
+
+    g_i = ∇θ loss_fn(f_θ(x_i), ctx_i), where loss_fn maps (logits [N, K], ctx [N, ...] or
+    None) to one loss per sample, [N].
+
+    The trick. The textbook way, vmap(grad(ℓ)) over the batch, runs autograd *inside*
+    vmap, and the backward of GPU's fused attention kernels (flash, efficient, cuDNN) has no
+    batching rule: ViT-B/16 at batch 64 would call it 64 × 12 times per step, one image at a
+    time. Instead every sample gets its own view θ_i of the parameters ([B, *shape], an
+    expand: nothing is copied), the forward runs under vmap over (θ_i, x_i), and ONE
+    ordinary backward of Σ_i ℓ_i gives every g_i at once: ℓ_i is the only term that touches
+    θ_i, so ∂(Σ_j ℓ_j)/∂θ_i = ∇ℓ_i exactly. Autograd then runs each backward kernel once on
+    the whole batch. The batch goes through in one piece on a GPU and in chunks of 8 on a
+    CPU, where they stay in cache (ViT-S/16: 0.96x Tent's step; the whole batch, 1.42x).
+
+    A sample's gradient must not depend on the others: a BatchNorm that normalizes with the
+    batch is refused. Ops without a batching rule are swapped for exact equivalents during
+    the pass (SDPA's math kernel on CPU, nn.MultiheadAttention without its fast path,
+    adaptive pooling fed a contiguous input), and vmap's per-sample fallback is made an
+    error (_without_fallback)."""
+    coupled = ", ".join(n for n, m in model.named_modules() if couples_samples(m))
+    why = "in train mode or without running statistics couples the batch"
+    need(not coupled, f"BatchNorm {coupled} {why}: no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
 
-    def loss_one(theta_i, xi, ci):  # under vmap: one sample, its own θ_i
+    def loss_one(theta_i, xi, ci):  # under vmap: one sample and its own view θ_i
         logits = logits_of(functional_call(model, (theta_i, frozen), (xi[None],)))
         return loss_fn(logits, None if ctx is None else ci[None])[0], logits[0]
 
-    def batched_pass():  # GPU: the batch; CPU: 8 (ViT-S: 0.96x Tent, 32: 1.42x)
-        grads, logits, step = [], [], chunk_size or {"cpu": 8}.get(x.device.type, len(x))
-        ctxs = x.new_zeros(len(x), 0) if ctx is None else ctx  # vmap needs one
+    def batched_pass():
+        step = chunk_size or {"cpu": 8}.get(x.device.type, len(x))
+        ctxs = x.new_zeros(len(x), 0) if ctx is None else ctx  # vmap needs a tensor to map
+        grads, logits = [], []
         for xs, cs in zip(x.split(step), ctxs.split(step)):
-            # [b, *shape] views of θ: 38k scalars a sample for ViT-B/16, nothing copied
-            theta = {n: p.detach().expand(len(xs), *p.shape).requires_grad_()
-                     for n, p in params.items()}
+            theta = {n: p.detach().expand(len(xs), *p.shape) for n, p in params.items()}
+            theta = {n: t.requires_grad_() for n, t in theta.items()}  # θ_i views: no copy
             losses, z = vmap(loss_one)(theta, xs, cs)
-            grads.append(torch.autograd.grad(
-                losses.sum(), list(theta.values()), materialize_grads=True))
+            g = torch.autograd.grad(losses.sum(), list(theta.values()), materialize_grads=True)
+            grads.append(g)
             logits.append(z.detach())
         return {n: torch.cat(g) for n, g in zip(params, zip(*grads))}, torch.cat(logits)
 
-    with contextlib.ExitStack() as stack:  # ops with no vmap rule: exact swaps
-        if x.device.type == "cpu":  # fused attention (CUDA's kernels batch)
-            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
-        mha = torch.backends.mha  # nn.MultiheadAttention's eval path: no grad
-        stack.callback(mha.set_fastpath_enabled, mha.get_fastpath_enabled())
+    with contextlib.ExitStack() as swaps:  # each restored on exit, an exception included
+        if x.device.type == "cpu":  # fused CPU attention cannot batch even its forward
+            swaps.enter_context(sdpa_kernel(SDPBackend.MATH))
+        mha = torch.backends.mha  # MultiheadAttention's eval fast path: no vmap rule, no grad
+        swaps.callback(mha.set_fastpath_enabled, mha.get_fastpath_enabled())
         mha.set_fastpath_enabled(False)
-        for m in model.modules():  # adaptive pooling's as_strided_
+        for m in model.modules():  # adaptive pooling of a channels-last input: as_strided_
             if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
-                stack.enter_context(m.register_forward_pre_hook(lambda _, a: a[0].contiguous()))
+                swaps.enter_context(m.register_forward_pre_hook(lambda _, a: a[0].contiguous()))
         return _without_fallback(batched_pass)
 
-def logits_of(out):
-    """Logits [B, K]: the output, its .logits or ["logits"] (Hugging Face)."""
-    z = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", out)
-    if not isinstance(z, torch.Tensor):
-        raise TypeError(f"the model returned a {type(out).__name__}; DPTTA needs logits "
-                        "[B, K]: a tensor, .logits or ['logits']")
-    return z
 
 def _without_fallback(fn):
-    """fn() with vmap's per-sample fallback an error; an op that needs it is
-    warned about, counted and rerun with it (exact, slow) unless the caller
-    had it off. A torch without this private switch runs fn(), and says so."""
+    """fn() with vmap's per-sample fallback made an error, so that no pass loops over samples
+    unseen. An op that needs the fallback is warned about (Python shows a warning once) and
+    run again with it, exact but slow, unless the caller had switched the fallback off
+    itself (the test suite does). The switch is private torch API: a torch without it runs
+    fn(), and says so."""
     functorch = getattr(torch._C, "_functorch", None)
     if not hasattr(functorch, "_set_vmap_fallback_enabled"):
         warnings.warn("this torch cannot switch vmap's fallback off: no loop certified")
@@ -222,26 +291,35 @@ def _without_fallback(fn):
             raise
     finally:
         functorch._set_vmap_fallback_enabled(allowed)
-    if op[1] not in VMAP_FALLBACKS:
-        warnings.warn(f"{op[1]} has no vmap rule: it runs once per sample (exact, slow); "
-                      "timm: fused_attn=False", stacklevel=3)
-    VMAP_FALLBACKS[op[1]] = VMAP_FALLBACKS.get(op[1], 0) + 1
+    warnings.warn(f"{op[1]} has no vmap rule: it runs once per sample (exact, slow)", stacklevel=3)
     return fn()
 
+
+# ----------------------------------------------------------------------------
+# Clip and noise: the Gaussian mechanism on the sum of clipped gradients
 def noise_generator(device="cpu", seed=None):
-    """The privacy noise's source: seeded from OS entropy (secret: a known seed lets anyone
-    regenerate the noise and subtract it), or from `seed` for an exact, NOT private replay."""
+    """The privacy noise's source: a generator seeded from OS entropy, a secret (whoever
+    knows the seed regenerates the noise and subtracts it), or from `seed`: an exact replay
+    for tests and debugging, NOT private against anyone who knows that seed."""
     if seed is None:
         seed = int.from_bytes(os.urandom(8), "little")
     return torch.Generator(device).manual_seed(seed)
 
-def at_least_fp32(t):  # bf16/fp16 -> fp32; fp32, fp64 kept
+
+def at_least_fp32(t):
+    """bf16 and fp16 to fp32 (fp32 and fp64 kept): a rounded clip factor can push a norm over
+    C, and bf16 noise is too coarse to be Gaussian."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
+
 def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
-    """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, sensitivity 2C, one
-    ‖·‖ over all tensors, fp32 or better (bf16 can push a norm over C); a
-    non-finite g_i counts as 0 (decided on i alone) and in tally["nonfinite"]."""
+    """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, over {name: [B, ...]} per-sample tensors.
+
+    One norm ‖g_i‖ over all tensors (sample i is clipped as a whole), so replacing one sample
+    moves the sum by at most 2C: the noise is calibrated to the sum, then divided by B (noise
+    added after dividing would be B times too small). Fresh N(0, σ²C²) for every coordinate
+    of every tensor. A non-finite g_i counts as zero, a decision that reads sample i alone
+    and keeps the sensitivity at 2C; tally["nonfinite"] counts them."""
     g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
     finite = torch.isfinite(norms)
@@ -250,335 +328,461 @@ def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
         tally["nonfinite"] = tally.get("nonfinite", 0) + (~finite).sum()
     out = {}
     for name, t in g.items():
-        shape = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector broadcast over t
+        shape = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector, broadcast over t
         # a non-finite g_i is selected away, not scaled by 0: NaN·0 is NaN
         total = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
-        if sigma > 0:  # fresh N(0, σ²C²) for every coordinate
+        if sigma > 0:
             noise = torch.empty_like(total).normal_(generator=generator)
             total = total + sigma * clip * noise
-        out[name] = total / len(t)  # / B
+        out[name] = total / len(t)
     return out
 
-# -- Losses: per sample, logits [N, K] -> [N] --------------------------------
-# K: classes, of the logits or num_classes (the paper's ImageNet-R runs: 200 scored, K = 1000)
+
+# ----------------------------------------------------------------------------
+# The losses, one value per sample: logits [N, K] -> [N]
 def entropy(logits):
-    # H(p) = −Σ_k p_k log p_k, p = softmax(z)
+    """H(p) = −Σ_k p_k log p_k with p = softmax(z), in fp32 or better."""
     logp = at_least_fp32(logits).log_softmax(-1)
     return -(logp.exp() * logp).sum(-1)
 
+
 def come_entropy(logits, num_classes=None):
-    """COME: entropy of the Dirichlet opinion [b, u] instead of the softmax."""
+    """COME's loss: the entropy of the Dirichlet opinion (b, u) instead of the softmax.
+
+    z ← z/‖z‖·stopgrad(‖z‖) keeps z's value and takes away the gradient along z (the loss
+    cannot be lowered by inflating the logits); then with e = exp(z) and S = Σe + K,
+    b = e/S, u = K/S, i.e. [b, u] = softmax([z, ln K]) (computed so, with no overflow), and
+    the loss is −Σ_{j=1}^{K+1} q_j log q_j for q = [b, u] + 1e-7. K: num_classes, or the
+    logits' (the paper's ImageNet-R runs score 200 logits with K = 1000)."""
     z = at_least_fp32(logits)
-    # z ← z/‖z‖·stopgrad(‖z‖): same value, no gradient along z (no logit-norm inflation)
     norm = z.norm(dim=-1, keepdim=True)
-    z = z / norm.clamp(min=1e-12) * norm.detach()  # zero logits: 0, not NaN
-    # b = e^z / (Σ e^z + K), u = K / (Σ e^z + K)  ⇔  [b, u] = softmax([z, ln K])
+    z = z / norm.clamp(min=1e-12) * norm.detach()  # all-zero logits: 0, not NaN
     log_k = torch.full_like(z[..., :1], math.log(num_classes or z.shape[-1]))
     q = torch.cat([z, log_k], -1).softmax(-1) + 1e-7
-    return -(q * q.log()).sum(-1)  # −Σ_{j=1}^{K+1} q_j log q_j
+    return -(q * q.log()).sum(-1)
+
 
 def plpd(logits, shuffled_probs):
-    # PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x): how much a prediction rests on shape
+    """DeYO's PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x), detached: how much a prediction
+    rests on the image's shape, which shuffling its patches (x′) destroys."""
     p = at_least_fp32(logits).softmax(-1)
     y = p.argmax(-1, keepdim=True)
     return (p.gather(-1, y) - shuffled_probs.gather(-1, y)).squeeze(-1).detach()
 
-def confidence_weighted(
-        logits, shuffled_probs=None, *, ent=entropy, e_margin=0.4, num_classes=None):
-    """EATA: exp(E0 − H)·H; DeYO (shuffled probs): (exp(E0 − H) + e^PLPD)·H."""
-    H = ent(logits)
-    # w = exp(E0 − H), E0 = e_margin·ln K, a constant weight (detached)
-    w = torch.exp(e_margin * math.log(num_classes or logits.shape[-1]) - H.detach())
-    if shuffled_probs is not None:
-        w = w + torch.exp(plpd(logits, shuffled_probs))
-    return w * H
 
 def patch_shuffle(x, grid, generator):
-    """x′: each image's grid×grid patches in an order of its own (the rest stays)."""
+    """x′: each image cut into grid×grid patches, put back in an order of its own. Pixels
+    beyond the last whole patch (H or W not divisible by grid) stay where they are."""
     h, w = x.shape[-2] // grid, x.shape[-1] // grid  # one patch
     H, W = h * grid, w * grid  # the part cut into patches
-    patches = F.unfold(x[..., :H, :W], (h, w), stride=(h, w))  # [B, ch·h·w, grid²]
+    patches = F.unfold(x[..., :H, :W], (h, w), stride=(h, w))  # [B, channels·h·w, grid²]
     perm = torch.rand(len(x), grid * grid, generator=generator, device=x.device).argsort(1)
-    patches = patches.gather(2, perm[:, None].expand_as(patches))  # patch j ← patch perm_j
+    patches = patches.gather(2, perm[:, None].expand_as(patches))  # patch j <- patch perm_j
     out = x.clone()
     out[..., :H, :W] = F.fold(patches, (H, W), (h, w), stride=(h, w))
     return out
 
-def bn_moments(x, mean, var, eps):
-    """dp_norm's v_i of BN's input x [B, C, ...]: (mean z, mean z² − 1), z =
-    (x − μ_src)/√(var_src + eps); 0 at the source: a clip shrinks toward it."""
-    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, C, H·W] (BN1d: H·W = 1)
-    z = (z - mean[:, None]) / (var[:, None] + eps).sqrt()
-    return torch.cat([z.mean(-1), z.pow(2).mean(-1) - 1], 1)
 
-# -- The methods: H, softmax entropy; H_come, COME's; E0 = e_margin·ln K; lower: below the top --
-# method     per-sample loss ℓ_i          original's filter          norms  extra term
-# tent       H                            -                          all    -
-# come       H_come                       -                          all    -
-# eata       exp(E0 − H)·H                H < E0, |cos(m, p)| < d    all    λ·ΣF(θ − θ0)², data-free
-# sar        H                            H < E0; reset on collapse  lower  SAM: ascend ρ·g/‖g‖
-# deyo       (exp(E0 − H) + e^PLPD)·H     H < deyo_margin·ln K,      lower  x′ = patch shuffle
-#                                         PLPD > plpd_threshold             of x, for PLPD
-# deyo_come  as deyo, H_come for H        as deyo, with H_come       lower  as deyo
-# norm       no loss, no step: every BatchNorm layer normalizes with the test batch's statistics
-# dp_norm    no step: each of L BN layers, with an EMA of private releases of its clipped
-#            bn_moments, noise σ_l = √L·σ (the L releases compose to (2/σ)-GDP per image)
-# dp_<method>: the same ℓ_i, clipped and noised, NO filter (whether sample i counts must not
-# depend on sample j, and a kept count is itself data); EATA's penalty is added after the noise
-# (it reads θ, θ0 and public F only); SAR ascends along the previous private gradient (DP-SAT,
-# for free). <method> with clip=C: filter kept, per-sample clip, no noise (the paper's clip-only).
+# ----------------------------------------------------------------------------
+# The methods, as data: one record each, in the order of the method table
+@dataclass(frozen=True)
+class Method:
+    """A test-time adaptation method, as data; DPTTA runs any such record.
 
-BASES = ("tent", "come", "eata", "sar", "deyo", "deyo_come")
-NORM_METHODS = ("norm", "dp_norm")  # statistics, not gradients
-METHODS = ("source",) + BASES + tuple("dp_" + b for b in BASES) + NORM_METHODS
-COME_LOSS = ("come", "deyo_come")
-WEIGHTED = ("eata", "deyo", "deyo_come")
-LOWER_NORMS = ("sar", "deyo", "deyo_come")
-SHUFFLED = ("deyo", "deyo_come")
+    name      the method's name in records and tables
+    loss      ℓ_i(logits [N, K], ctx, hp) -> [N]: each sample's own loss, clipped per sample
+    filter    the original's data-dependent filter, a pure function
+              (logits, ctx, state, hp) -> (keep [N] bool, new state); the step stores the state
+    context   (model, x, generator, hp) -> ctx: ℓ_i's input besides the logits (DeYO's x′)
+    norms     "all", or "lower": the norms below the trunk's top (SAR, DeYO)
+    penalty   (θ, θ0, hp) -> {name: gradient} of a data-free term, added after the noise
+    step      "plain", "sam" (SAR's sharpness-aware step; its DP variant is DP-SAT), "norm"
+              (BatchNorm statistics, no gradient) or "none" (predict only)
+    constants the defaults of the constants (hp) that loss, context, penalty and step read;
+              filter_constants those only the filter reads (its DP variant drops them)
 
-_ADAPTED = weakref.WeakValueDictionary()  # id(parameter) -> its live DPTTA
+    private     whether it is a DP variant; private(method) makes one by the paper's recipe:
+              no filter, ℓ_i clipped and noised, the penalty after the noise, SAM's ascent
+              along the previous private gradient."""
+
+    name: str
+    loss: Callable = None
+    filter: Callable = None
+    context: Callable = None
+    norms: str = "all"
+    penalty: Callable = None
+    step: str = "plain"
+    constants: dict = field(default_factory=dict)
+    filter_constants: dict = field(default_factory=dict)
+    private: bool = False
+
+    def __post_init__(self):
+        need(self.norms in ("all", "lower"), f"{self.name}: norms is 'all' or 'lower'")
+        need(self.step in ("plain", "sam", "norm", "none"), f"{self.name}: an unknown step")
+        need(self.loss is not None or self.step in ("norm", "none"), f"{self.name} needs a loss")
+        # a filter reads other samples and makes the divisor data: never inside a private step
+        need(not (self.private and self.filter), f"{self.name}: a private method has no filter")
+
+
+def private(method):
+    """The DP variant of a method: whether sample i counts must not depend on sample j (and
+    how many are kept is itself data), so the filter goes, with the constants only it read.
+    SAR's recovery reads reset_ema, which goes with them: DP-SAT has none (the paper's)."""
+    name = "dp_" + method.name
+    return replace(method, name=name, filter=None, filter_constants={}, private=True)
+
+
+def classes(logits, hp):
+    """K: the constant num_classes if set, else the logits' (ln K scales every margin)."""
+    return logits.shape[-1] if hp.get("num_classes") is None else hp["num_classes"]
+
+
+def tent_loss(logits, ctx, hp):
+    return entropy(logits)  # ℓ_i = H(x_i)
+
+
+def come_loss(logits, ctx, hp):
+    return come_entropy(logits, classes(logits, hp))  # ℓ_i = H_come(x_i)
+
+
+def weighted_loss(logits, ctx, hp, ent=tent_loss):
+    """EATA's and DeYO's ℓ_i = w_i·H_i, the weight detached: w = exp(E0 − H) with
+    E0 = e_margin·ln K, plus DeYO's e^PLPD when ctx holds the shuffled view's softmax. ent:
+    the entropy H (DeYO-COME: COME's)."""
+    H = ent(logits, ctx, hp)
+    w = torch.exp(hp["e_margin"] * math.log(classes(logits, hp)) - H.detach())
+    if ctx is not None:
+        w = w + torch.exp(plpd(logits, ctx))
+    return w * H
+
+
+def reliable(H, logits, hp, margin):
+    """The originals' entropy filter: H < margin·ln K."""
+    return H < hp[margin] * math.log(classes(logits, hp))
+
+
+def sar_filter(logits, ctx, state, hp):
+    return reliable(entropy(logits), logits, hp, "e_margin"), state
+
+
+def eata_filter(logits, ctx, state, hp):
+    """Reliable (H < E0) and not redundant with the recent samples: |cos(m, p)| < d, where m
+    is the moving average of kept softmaxes, m ← 0.9·m + 0.1·mean(p of kept)."""
+    keep = reliable(entropy(logits), logits, hp, "e_margin")
+    p = at_least_fp32(logits).softmax(-1)
+    m = state.get("m")
+    if m is not None:
+        keep = keep & (torch.cosine_similarity(m[None], p, 1).abs() < hp["d_margin"])
+    if keep.any():
+        mean = p[keep].mean(0)
+        state = {**state, "m": mean if m is None else 0.9 * m + 0.1 * mean}
+    return keep, state
+
+
+def deyo_filter(logits, ctx, state, hp, ent=tent_loss):
+    """Reliable (H < deyo_margin·ln K) and shape-dependent (PLPD > plpd_threshold)."""
+    keep = reliable(ent(logits, ctx, hp), logits, hp, "deyo_margin")
+    return keep & (plpd(logits, ctx) > hp["plpd_threshold"]), state
+
+
+def shuffled_softmax(model, x, generator, hp):
+    """DeYO's context: the softmax of x′, the patch-shuffled images, with no gradient."""
+    x_shuffled = patch_shuffle(x, hp["patch_grid"], generator)
+    return at_least_fp32(logits_of(model(x_shuffled))).softmax(-1)
+
+
+def fisher_penalty(theta, theta0, hp):
+    """EATA's anti-forgetting term λ·Σ F(θ − θ0)², whose gradient is 2λF(θ − θ0): it reads θ,
+    θ0 and F from public clean images only, so it is added after the noise, unclipped."""
+    if hp["fisher"] is None:
+        return None
+    drift = {n: p.detach() - theta0[n] for n, p in theta.items()}
+    return {n: 2 * hp["fisher_lambda"] * hp["fisher"][n] * d for n, d in drift.items()}
+
+
+def fisher_information(model, params, images, n=2000):
+    """EATA's F on n clean images: over batches, the mean of (∇θ CE(f(x), argmax f(x)))²."""
+    p = {k: t.detach().requires_grad_() for k, t in params.items()}
+    fisher, batches, seen = {k: torch.zeros_like(t) for k, t in p.items()}, 0, 0
+    for x in images:
+        x = x[: n - seen]
+        logits = logits_of(functional_call(model, p, (x,)))
+        loss = F.cross_entropy(logits, logits.argmax(1))
+        for k, g in zip(p, torch.autograd.grad(loss, list(p.values()))):
+            fisher[k] += g**2
+        batches, seen = batches + 1, seen + len(x)
+        if seen >= n:
+            break
+    return {k: f / max(batches, 1) for k, f in fisher.items()}
+
+
+# H: softmax entropy; H_come: COME's; E0 = e_margin·ln K; "lower": the norms below the top
+# method     per-sample loss ℓ_i          original's filter            norms  extra
+# tent       H                            -                            all    -
+# come       H_come                       -                            all    -
+# eata       exp(E0 − H)·H                H < E0, |cos(m, p)| < d      all    λ·ΣF(θ − θ0)²
+# sar        H                            H < E0; reset on collapse    lower  SAM, ρ·g/‖g‖
+# deyo       (exp(E0 − H) + e^PLPD)·H     H < deyo_margin·ln K, PLPD   lower  x′: shuffled
+# deyo_come  as deyo, H_come for H        as deyo, with H_come         lower  as deyo
+# dp_<one of them>: the same ℓ_i clipped and noised, no filter; SAR's ascent along the last Δ
+SOURCE = Method("source", step="none")
+TENT = Method("tent", tent_loss)
+COME = Method("come", come_loss, constants=dict(num_classes=None))
+EATA = Method(
+    "eata",
+    weighted_loss,
+    eata_filter,
+    penalty=fisher_penalty,
+    constants=dict(e_margin=0.4, num_classes=None, fisher=None, fisher_lambda=2000.0),
+    filter_constants=dict(d_margin=0.05),
+)
+SAR = Method(
+    "sar",
+    tent_loss,
+    sar_filter,
+    norms="lower",
+    step="sam",
+    constants=dict(rho=0.05),
+    filter_constants=dict(e_margin=0.4, num_classes=None, reset_ema=0.2),
+)
+DEYO = Method(
+    "deyo",
+    weighted_loss,
+    deyo_filter,
+    shuffled_softmax,
+    "lower",
+    constants=dict(e_margin=0.4, num_classes=None, patch_grid=4),
+    filter_constants=dict(deyo_margin=0.5, plpd_threshold=0.2),
+)
+DEYO_COME = replace(
+    DEYO,
+    name="deyo_come",
+    loss=partial(weighted_loss, ent=come_loss),
+    filter=partial(deyo_filter, ent=come_loss),
+)
+# norm: BatchNorm layers normalize with the test batch (Schneider et al. 2020); dp_norm releases
+# those statistics privately instead (DPNorm, after DPTTA)
+NORM = Method("norm", step="norm", constants=dict(bn_layers=None, bn_scale=0.5))
+ORIGINALS = (TENT, COME, EATA, SAR, DEYO, DEYO_COME)
+METHODS = {m.name: m for m in (SOURCE, *ORIGINALS, *map(private, ORIGINALS), NORM, private(NORM))}
+CONSTANTS = {k for m in METHODS.values() for k in (*m.constants, *m.filter_constants)}
+# ----------------------------------------------------------------------------
+# The adapter
+_ADAPTED = weakref.WeakValueDictionary()  # id(parameter) -> the live adapter of its model
+
+
+def method_of(method):
+    """A Method record, from itself or its name."""
+    if isinstance(method, Method):
+        return method
+    need(method in METHODS, f"unknown method {method!r}; one of {', '.join(METHODS)}")
+    return METHODS[method]
+
 
 class DPTTA(nn.Module):
-    """forward(x) predicts with θ (logits, detached), then adapts θ on x.
-    method: a table row, dp_<row> or "source"; repeats=k: k steps see each
-    privacy unit ("image" or "photo", a label), σ·√k; accumulate=k: a step
-    per k batches; fisher: EATA's public {name: F}; bn: BatchNorm on the test
-    batch's statistics ("train", Tent's; not per-sample) or the source's.
-    seed: DeYO's patch shuffles; the noise is secret (OS entropy) unless
-    noise_seed is given (an exact replay, NOT private against its holder)."""
-    STATE = ("ema", "m", "g_prev", "bn_ema")  # SAR's, EATA's, DP-SAR's, dp_norm's
+    """A test-time adapter: forward(x) predicts x with the current θ, then adapts θ on x
+    (DPNorm: releases the batch's statistics, then predicts with them).
 
-    def __init__(self, model, method, *, eps=None, delta=1e-6, privacy_unit="image", repeats=1,
-                 clip=None, lr=None, seed=0, noise_seed=None, fisher=None, fisher_lambda=2000.0, e_margin=0.4,
-                 d_margin=0.05, rho=0.05, reset_ema=0.2, deyo_margin=0.5, plpd_threshold=0.2,
-                 patch_grid=4, num_classes=None, bn="train", bn_scale=0.5, bn_momentum=0.1,
-                 bn_floor=0.1, bn_layers=None, accumulate=1, chunk_size=None):
-        super().__init__()  # the arguments, checked in this order:
-        need(method in METHODS, f"unknown method {method!r}; one of {', '.join(METHODS)}")
-        self.method, self.base = method, method.removeprefix("dp_")  # base: original
-        self.private = private = method.startswith("dp_")
-        need(eps is None or private, f"eps is for dp_ methods only, not {method}")
-        need(eps is not None or not private, f"{method} needs eps (inf: clip only)")
+    method     a Method record, or its name: "source", an original ("tent", "come", "eata",
+               "sar", "deyo", "deyo_come"), its DP variant "dp_<name>"; "norm" and "dp_norm"
+               make a DPNorm (BatchNorm statistics, no gradient)
+    eps, delta the DP variants' (ε, δ); eps=inf: the DP recipe with no noise (clip only)
+    clip       the per-sample clip C (needed by dp_; on an original: its clip-only variant)
+    lr         SGD's learning rate (momentum 0.9, as every original)
+    repeats    how many steps see each privacy unit (a photo in k streams, --repeat): σ·√k
+    bn         BatchNorm normalizes with the test batch ("train", Tent's: not per-sample) or
+               is frozen at its source statistics ("source", a per-sample map)
+    accumulate a step per k batches, on the k batches together (single-image streams)
+    seed       DeYO's patch shuffles. The noise is secret, from OS entropy, unless noise_seed
+               is given: an exact replay, NOT private against anyone who knows it
+    chunk_size samples per vmapped chunk (default: the batch on a GPU, 8 on a CPU)
+    constants  the method's constants that differ from its defaults (EATA's fisher,
+               e_margin, ...); a constant that another method reads is accepted and ignored
+
+    reset() goes back to the source (θ, optimizer, method state; never the noise); flush()
+    steps on a pending accumulate window. replay, a dict, makes each batch's per-sample pass
+    run once (the audit's seam: its trials repeat only clip, noise and step)."""
+
+    bn_src = {}  # {layer: (μ_src, σ²_src)} with private statistics: DPNorm's; none here
+
+    def __new__(cls, model=None, method="source", **kwargs):
+        if cls is DPTTA and method_of(method).step == "norm":
+            cls = DPNorm  # as pathlib.Path makes a PosixPath: DPTTA(model, "dp_norm") works
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        model,
+        method,
+        *,
+        eps=None,
+        delta=1e-6,
+        clip=None,
+        lr=None,
+        repeats=1,
+        bn="train",
+        accumulate=1,
+        seed=0,
+        noise_seed=None,
+        chunk_size=None,
+        **constants,
+    ):
+        super().__init__()
+        self.method = method = method_of(method)
+        name, gradient = method.name, method.step in ("plain", "sam")  # θ moves by gradient
+        need(eps is None or method.private, f"eps is for dp_ methods only, not {name}")
+        need(eps is not None or not method.private, f"{name} needs eps (inf: clip only)")
         _check_privacy(eps=eps, delta=delta)
-        need(clip is not None or not private or method == "dp_norm",
-             f"{method} needs clip, the per-sample clip norm C")
-        need(clip is None or 0 < clip < math.inf,
-             f"clip must be finite and > 0 (None: no clip), got {clip}")
-        need(self.base in ("source", "norm") or 0 < (lr or 0) < math.inf,
-             f"{method} needs a finite lr > 0, got {lr}")
-        need(privacy_unit in ("image", "photo"), "privacy_unit is 'image' or 'photo'")
+        need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
+        need(clip is None or 0 < clip < math.inf, f"clip must be finite and > 0, got {clip}")
+        need(not gradient or lr is not None and 0 < lr < math.inf, f"{name} needs a finite lr > 0")
         need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         need(noise_seed is None or isinstance(noise_seed, int), "noise_seed is an int or None")
-        need(accumulate == 1 or method != "norm", "norm has nothing to accumulate")
-        self.eps, self.delta, self.privacy_unit, self.repeats = eps, delta, privacy_unit, repeats
+        self.hp = {**method.constants, **method.filter_constants}
+        unknown = sorted(set(constants) - CONSTANTS - set(self.hp)) + [""]
+        need(not unknown[0], f"unknown constant {unknown[0]} for {name}")
+        self.hp.update((k, v) for k, v in constants.items() if k in self.hp)
+        self.eps, self.delta, self.repeats, self.clip, self.lr = eps, delta, repeats, clip, lr
         self.sigma = calibrate_sigma(eps=eps or math.inf, delta=delta, repeats=repeats)
-        self.clip, self.lr = clip and float(clip), lr and float(lr)
-        self.bn, self.accumulate, self.fisher = bn, accumulate, fisher
-        self.hp = dict(
-            e_margin=e_margin, d_margin=d_margin, rho=rho, reset_ema=reset_ema,
-            deyo_margin=deyo_margin, plpd_threshold=plpd_threshold, patch_grid=patch_grid,
-            fisher_lambda=fisher_lambda, num_classes=num_classes, bn_scale=bn_scale,
-            bn_momentum=bn_momentum, bn_floor=bn_floor)
-        self.ent = entropy
-        if self.base in COME_LOSS:
-            self.ent = partial(come_entropy, num_classes=num_classes)
-        self.model = model.eval().requires_grad_(False)  # eval: nothing random
-        self.releases, self.bn_src = 1, {}  # per image: a step, or dp_norm's L
-        self.params = self.model_params = {}  # θ (source, norm: none)
-        bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
-        frozen = [n for n, m in bns if m.running_mean is None]
-        need(not frozen or (bn == "train" and method != "dp_norm"),
-             f"BatchNorm {frozen[:1]} has no running statistics (track_running_stats=False): it "
-             "normalizes with the batch even in eval mode, so it has no source statistics to "
-             "keep (bn='source') or re-estimate (dp_norm)")
-        if self.base == "norm":  # dp_norm: the first bn_layers, σ·√L
-            need(bns and bn == "train", f"{method} re-estimates BatchNorm statistics: it "
-                 "needs a model with BatchNorm, not frozen at its source statistics")
-            need(bn_layers is None or isinstance(bn_layers, int) and 1 <= bn_layers <= len(bns),
-                 f"bn_layers must be a count from 1 to the model's {len(bns)} BatchNorm layers "
-                 f"(None: all), got {bn_layers}")
-            if private:
-                self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone())
-                               for n, m in bns[:bn_layers]}
-                self.releases = len(self.bn_src)
-                self.sigma *= math.sqrt(self.releases)
-        elif self.base != "source":
-            self.model_params = adaptable_params(model, skip_top=self.base in LOWER_NORMS,
-                                                 private=clip is not None and bn == "train")
-            # θ: fp32 masters of bf16/fp16 parameters (bf16 rounds an update < 2^-8 at 1 away)
-            self.params = {n: at_least_fp32(p).requires_grad_()
-                           for n, p in self.model_params.items()}
-        need(fisher is None or set(fisher) == set(self.params),
-             "fisher must have one tensor per adapted parameter (see .params)")
-        if self.base != "source":  # source only predicts: claims, switches nothing
+        self.bn, self.accumulate, self.chunk_size = bn, accumulate, chunk_size
+        self.model = model.eval().requires_grad_(False)  # eval: no dropout, nothing random
+        self.params, self.model_params = {}, {}
+        self.releases = 1  # per image and step (DPNorm: one per private BatchNorm layer)
+        bns = [m for m in model.modules() if isinstance(m, BATCH_NORM)]
+        no_stats = any(m.running_mean is None for m in bns)
+        need(not (no_stats and bn == "source"), "bn='source' needs BatchNorm's running statistics")
+        if gradient:  # θ: fp32 masters of bf16/fp16 parameters (bf16 rounds an update < 2^-8)
+            lower, per_sample = method.norms == "lower", clip is not None and bn == "train"
+            self.model_params = adaptable_params(model, skip_top=lower, private=per_sample)
+            for n, p in self.model_params.items():
+                self.params[n] = at_least_fp32(p).requires_grad_()
+            self.batch_statistics(bns if bn == "train" else [])
+        fisher = self.hp.get("fisher")
+        need(
+            fisher is None or set(fisher) == set(self.params), "fisher needs one tensor per .params"
+        )
+        if method.step != "none":  # source only predicts: it claims and switches nothing
             self._claim()
-            for m in model.modules():  # bn="train", as Tent: BatchNorm
-                if isinstance(m, BATCH_NORM) and bn == "train" and not self.bn_src:
-                    m.train()  # normalizes with the test batch's statistics
-                    m.track_running_stats = False
-        device, self.chunk_size = next(model.parameters()).device, chunk_size
-        # own streams, never rewound by reset(): the same noise twice could cancel out
+        device = next(model.parameters()).device
+        # the adapter's own streams, never rewound by reset(): the same noise twice cancels
         self.noise_seed, self.noise_gen = noise_seed, noise_generator(device, noise_seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed)
-        self.bn_checked = not self.bn_src  # dp_norm: releases per forward not yet counted
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        self.tally = {}  # "nonfinite": samples dropped for a non-finite g_i
+        self.tally, self.replay = {}, None
         self.reset()
 
-    def _claim(self):  # one live adapter per model (two would share θ)
-        taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED]
-        need(not taken, f"{', '.join(taken[:1])} is adapted by another live DPTTA: pass "
-             "copy.deepcopy(model), or del the other")
+    @staticmethod
+    def batch_statistics(bns):
+        """As Tent: these BatchNorm layers normalize with the test batch, no running average."""
+        for m in bns:
+            m.train()
+            m.track_running_stats = False
+
+    def train(self, mode=True):
+        """The adapter keeps its model's modes (eval; BatchNorm as `bn` says): an outer
+        train() or eval() would switch dropout on, or Tent's BatchNorm off."""
+        return self
+
+    # -- one live adapter per model; copies, pickles and checkpoints -------------------------
+    def _claim(self):
+        """Two adapters on one model would share θ (and one's reset() resets the other)."""
+        taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED] + [""]
+        why = f"{taken[0]} is adapted by another live DPTTA: give each one copy.deepcopy(model)"
+        need(not taken[0], why + ", or del the other")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __getstate__(self):
-        """copy, pickle: refused with a pending accumulate window (a copy would step on its
-        images too, a pickle would write them to disk)."""
-        self._no_window("a copy")
+        """copy.deepcopy and pickle, refused with a pending accumulate window: a copy would
+        step on its images too (two releases), a pickle would write them to disk."""
+        pending = f"{len(self.window)} pending accumulate batch(es) of raw test images"
+        need(not self.window, f"an adapter with {pending}: flush() before copying or saving it")
         return super().__getstate__()
 
-    def _no_window(self, what):
-        need(not self.window, f"{what} of an adapter with {len(self.window)} pending "
-             "accumulate batch(es) would hold raw test images: flush() first")
-
     def __setstate__(self, state):
-        """copy, pickle: the copy reseeds from the OS (no shared noise)."""
+        """A copy reseeds its generators from the OS: no noise is ever shared."""
         super().__setstate__(state)
-        if self.base != "source":
+        if self.method.step != "none":
             self._claim()
-        for g in (self.noise_gen, self.shuffle_gen):
-            g.manual_seed(int.from_bytes(os.urandom(8), "little"))
+        for generator in (self.noise_gen, self.shuffle_gen):
+            generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def get_extra_state(self):
-        """In state_dict(): exact resume, noise where it stood (load it once). It holds the
-        noise generator's state: a checkpoint is as secret as the test data."""
-        self._no_window("a checkpoint")
-        return dict(
-            method=self.method, sigma=self.sigma, theta=dict(self.params), theta0=self.theta0,
-            opt=self.opt and self.opt.state_dict(), noise=self.noise_gen.get_state(),
-            shuffle=self.shuffle_gen.get_state(), **{k: getattr(self, k) for k in self.STATE})
+        """In state_dict(): θ, θ0, the momentum, the method's state and both generators, so
+        that a load resumes exactly, the noise where it stood. A checkpoint is as secret as
+        the data (whoever reads it replays the noise): load it into one adapter only."""
+        self.__getstate__()  # (a pending window refuses a checkpoint too)
+        state = dict(who=(self.method.name, self.sigma), theta=(dict(self.params), self.theta0))
+        state["opt"] = None if self.opt is None else self.opt.state_dict()
+        state["generators"] = self.noise_gen.get_state(), self.shuffle_gen.get_state()
+        return dict(state, state=self.state)
 
     def set_extra_state(self, state):
-        old = state["method"], state["sigma"]
-        need(old == (self.method, self.sigma), f"a checkpoint of {old[0]} (σ = {old[1]:.4g}) "
-             f"cannot resume {self.method} (σ = {self.sigma:.4g})")
-        self._set_theta(state["theta"], state["theta0"])
-        if self.opt:
+        (name, sigma), mine = state["who"], f"{self.method.name} (σ = {self.sigma:.4g})"
+        need(
+            (name, sigma) == (self.method.name, self.sigma),
+            f"a checkpoint of {name} (σ = {sigma:.4g}) cannot resume {mine}",
+        )
+        self._set_theta(*state["theta"])
+        if self.opt is not None:
             self.opt.load_state_dict(state["opt"])
-        for k in self.STATE:
-            setattr(self, k, state[k])
-        self.noise_gen.set_state(state["noise"])
-        self.shuffle_gen.set_state(state["shuffle"])
+        self.state = state["state"]
+        self.noise_gen.set_state(state["generators"][0])
+        self.shuffle_gen.set_state(state["generators"][1])
 
     def reset(self):
-        """Back to the source: θ, optimizer, method state (not the RNGs)."""
+        """Back to the source: θ, a fresh optimizer, the method's state; a pending window is
+        dropped. The generators run on: the noise is never drawn twice."""
         self._set_theta(self.theta0)
-        self.opt = self.params and torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
-        self.ema = self.m = self.g_prev = None
-        self.window = []  # accumulate's batches; a reset drops them unstepped
-        # dp_norm: the average of the releases in z-space, from the source's (0, 1)
-        self.bn_ema = {n: (0 * m, 0 * m + 1) for n, (m, _) in self.bn_src.items()}
-        for bn, (mean, var) in self.bn_src.items():
-            self.model.get_submodule(bn).running_mean.copy_(mean)
-            self.model.get_submodule(bn).running_var.copy_(var)
+        self.opt = None
+        if self.params:
+            self.opt = torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
+        self.state, self.window = {}, []  # EATA's m, SAR's ema, DP-SAT's Δ (DPNorm: averages)
 
     @torch.no_grad()
-    def _set_theta(self, values, theta0=None):  # θ ← values; a bf16 model: rounded
+    def _set_theta(self, values, theta0=None):
+        """θ ← values, written into the model (rounded for a bf16 model)."""
         for n, p in self.params.items():
             p.copy_(values[n])
             self.model_params[n].copy_(p)  # p itself in an fp32 model: a no-op
             if theta0 is not None:
                 self.theta0[n].copy_(theta0[n])
 
-    # -- the few places where methods differ besides ℓ_i ----------------------
+    # -- what the method brings: ℓ_i, its context, and the per-sample pass ------------------
     def loss(self, logits, ctx):
-        """ℓ_i, the per-sample loss whose gradient is clipped (the table's)."""
-        if self.base not in WEIGHTED:
-            return self.ent(logits)
-        return confidence_weighted(logits, ctx, ent=self.ent, e_margin=self.hp["e_margin"],
-                                   num_classes=self.hp["num_classes"])
-
-    def _keep(self, logits, ctx, keep):  # the original's filter, & keep
-        if self.private or self.base in ("tent", "come"):
-            return keep
-        margin = self.hp["deyo_margin" if self.base in SHUFFLED else "e_margin"]
-        log_k = math.log(self.hp["num_classes"] or logits.shape[-1])
-        new = self.ent(logits.detach()) < margin * log_k  # reliable: H < margin·ln K
-        if self.base in SHUFFLED:
-            new &= plpd(logits, ctx) > self.hp["plpd_threshold"]
-        if self.base == "eata":  # redundancy: skip samples like recent ones
-            p = logits.detach().float().softmax(-1)
-            if self.m is not None:  # |cos(m, p)| < d
-                new &= torch.cosine_similarity(self.m[None], p, 1).abs() < self.hp["d_margin"]
-            if new.any():  # m ← 0.9·m + 0.1·mean(p of kept)
-                mean = p[new].mean(0)
-                self.m = mean if self.m is None else 0.9 * self.m + 0.1 * mean
-        return new if keep is None else keep & new
+        """ℓ_i, the per-sample loss whose gradient is clipped."""
+        return self.method.loss(logits, ctx, self.hp)
 
     @torch.no_grad()
     def context(self, x):
-        """ℓ_i's input besides logits: DeYO's softmax of x′, or None."""
-        if self.base not in SHUFFLED:
+        """ℓ_i's input besides the logits (DeYO's softmax of x′), or None."""
+        if self.method.context is None:
             return None
-        xs = patch_shuffle(x, self.hp["patch_grid"], self.shuffle_gen)
-        return logits_of(self.model(xs)).float().softmax(-1)
+        make = partial(self.method.context, self.model, x, self.shuffle_gen, self.hp)
+        return self._replayed(("context", x.data_ptr(), x.shape), make)
 
-    # -- the gradient: private (per sample, clipped, noised) or plain ----------
-    def _grad(self, x, ctx, shift=None, keep=None, clip=True):  # (logits, Δ, kept)
-        theta = {n: (t + shift[n] if shift else t).detach() for n, t in self.params.items()}
-        theta = {n: t.to(self.model_params[n].dtype).requires_grad_() for n, t in theta.items()}
-        if self.clip is not None and clip:
-            return self._private_grad(theta, x, ctx, keep)
-        return self._plain_grad(theta, x, ctx, keep)
+    def _replayed(self, key, make):
+        """make(); with self.replay, a dict, its first result for key (valid while every call
+        starts from θ0, as the audit's trials do)."""
+        if self.replay is None:
+            return make()
+        if key not in self.replay:
+            self.replay[key] = make()
+        return self.replay[key]
 
-    def _private_grad(self, theta, x, ctx, keep):
-        # Δ = (Σ_i clip(g_i) + N(0, σ²C²I)) / B over the kept samples (dp_: all of them)
-        g, logits = per_sample_grads(
-            self.model, theta, self.loss, x, ctx, chunk_size=self.chunk_size)
-        keep = self._keep(logits, ctx, keep)
-        if keep is not None:  # clip-only originals: B is data dependent
-            if not keep.any():
-                return logits, None, keep
-            g = {n: t[keep] for n, t in g.items()}
-        return logits, clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally), keep
-
-    def _plain_grad(self, theta, x, ctx, keep):
-        # Δ = ∇ mean_kept ℓ_i: plain TTA, one batched backward
-        logits = logits_of(functional_call(self.model, theta, (x,)))
-        keep = self._keep(logits, ctx, keep)
-        z, use, ctx, keep = self._guard_nonfinite(theta, logits, x, ctx, keep)
-        if keep is not None and not keep.any():
-            return logits, None, keep
-        g = torch.autograd.grad(self.loss(z, ctx)[use].mean(), list(theta.values()))
-        return logits, {n: at_least_fp32(t) for n, t in zip(theta, g)}, keep
-
-    def _guard_nonfinite(self, theta, logits, x, ctx, keep):
-        """Guard: non-finite samples (0·NaN = NaN in backward) dropped, counted; the rest re-run."""
-        finite = torch.isfinite(logits).all(-1)
-        use = finite if keep is None else keep & finite  # what the loss averages
-        if finite.all():
-            return logits, use, ctx, keep
-        self.tally["nonfinite"] = self.tally.get("nonfinite", 0) + (~finite).sum()
-        if not use.any():
-            return logits, use, ctx, use
-        z = logits_of(functional_call(self.model, theta, (x[finite],)))
-        return z, use[finite], None if ctx is None else ctx[finite], use
-
+    # -- the stream: predict, then adapt -----------------------------------------------------
     def forward(self, x):
-        if self.base == "source" or not len(x):  # guard: an empty batch
+        if self.method.step == "none" or not len(x):  # source; an empty batch: no step at all
             with torch.no_grad():
                 return logits_of(self.model(x))
         if self.accumulate == 1:
             return self._update(x)
-        # accumulate=k: predict with θ, step once k batches have come: θ is fixed in a window, so
-        # it is one step on k·B images (one noise draw; k steps of B: √k times the noise)
-        if self.window:  # torch.cat of the window at the step needs one image shape
-            first = self.window[0]
-            need((x.shape[1:], x.dtype, x.device) == (first.shape[1:], first.dtype, first.device),
-                 f"a batch of {tuple(x.shape[1:])} {x.dtype} images in a window of "
-                 f"{tuple(first.shape[1:])} {first.dtype}: one window, one image shape")
+        # accumulate=k: predict each batch with θ, step once k have come. θ is fixed within a
+        # window, so this is one step on the k batches (one noise draw; k steps: √k the noise)
+        first = self.window[0] if self.window else x
+        same = (x.shape[1:], x.dtype, x.device) == (first.shape[1:], first.dtype, first.device)
+        need(same, f"a batch of {tuple(x.shape[1:])} {x.dtype} in a window of other images")
         with torch.no_grad():
             logits = logits_of(self.model(x))
         self.window.append(x)
@@ -587,65 +791,270 @@ class DPTTA(nn.Module):
         return logits
 
     def flush(self):
-        """A step on the window's batches: call it when a stream ends."""
+        """A step on the pending window's batches; call it when a stream ends."""
         if self.window:
             x, self.window = torch.cat(self.window), []
             self._update(x)
 
     def _update(self, x):
-        if self.base == "norm":  # no step (dp_norm: statistics released)
-            if not self.bn_checked:  # before the first release: one release per layer?
-                self.check_releases(torch.zeros_like(x[:1]))
-            with torch.no_grad(), contextlib.ExitStack() as hooks:
-                for name in self.bn_src:  # a hook's handle removes it on exit
-                    hooks.enter_context(self.model.get_submodule(name).register_forward_pre_hook(
-                        partial(self._release_stats, name)))
-                return logits_of(self.model(x))
-        with torch.inference_mode(False), torch.enable_grad():  # guard: no_grad callers
+        with torch.inference_mode(False), torch.enable_grad():  # callers under no_grad too
             x = x.clone() if x.is_inference() else x
-            if self.base == "sar":
-                sam = self._dp_sat_step if self.private else self._sam_step
-                return sam(x, self.context(x)).detach()
-            logits, g, _ = self._grad(x, self.context(x))  # the others: Δ at θ, SGD
-            if g is not None:  # None: the filters kept no sample, no step
+            ctx = self.context(x)
+            if self.method.step == "sam":
+                return self._sam_step(x, ctx).detach()
+            logits, g, _, self.state = self._gradient(x, ctx)
+            if g is not None:  # None: the filter kept no sample, and there is no step
                 self._step(g)
             return logits.detach()
 
+    # -- the gradient: private (per sample, clipped, noised) or plain -----------------------
+    def _gradient(self, x, ctx, shift=None, keep=None, clip=True):
+        """(logits, Δ or None, kept, the filter's new state) at θ + shift, on the samples the
+        filter keeps (and `keep` kept). Per sample (dp_, clip-only): Δ = clip_and_noise(g).
+        Plain: Δ = ∇ mean_kept ℓ_i, one batched backward."""
+        theta = {}
+        for n, t in self.params.items():
+            t = t if shift is None else t + shift[n]
+            theta[n] = t.detach().to(self.model_params[n].dtype).requires_grad_()
+        if self.clip is None or not clip:
+            return self._plain_gradient(theta, x, ctx, keep)
+        make = partial(per_sample_grads, self.model, theta, self.loss, x, ctx)
+        make = partial(make, chunk_size=self.chunk_size)
+        g, logits = self._replayed(("grads", x.data_ptr(), x.shape), make)
+        keep, state = self._filter(logits, ctx, keep)
+        if keep is not None:  # clip-only originals: the divisor is the kept count
+            if not keep.any():
+                return logits, None, keep, state
+            g = {n: t[keep] for n, t in g.items()}
+        g = clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally)
+        return logits, g, keep, state
+
+    def _plain_gradient(self, theta, x, ctx, keep):
+        logits = z = logits_of(functional_call(self.model, theta, (x,)))
+        keep, state = self._filter(logits, ctx, keep)
+        # a non-finite sample poisons a batched backward (0·NaN = NaN): it is dropped and
+        # counted, and the rest of the batch is forwarded again without it
+        finite = torch.isfinite(logits).all(-1)
+        use = finite if keep is None else keep & finite  # the samples the loss averages
+        if not finite.all():
+            self.tally["nonfinite"] = self.tally.get("nonfinite", 0) + (~finite).sum()
+            keep = use
+            if use.any():
+                z = logits_of(functional_call(self.model, theta, (x[finite],)))
+                use, ctx = use[finite], None if ctx is None else ctx[finite]
+        if keep is not None and not keep.any():
+            return logits, None, keep, state
+        g = torch.autograd.grad(self.loss(z, ctx)[use].mean(), list(theta.values()))
+        return logits, {n: at_least_fp32(t) for n, t in zip(theta, g)}, keep, state
+
+    def _filter(self, logits, ctx, keep):
+        """The original's filter (none in the DP variants), and `keep`: (kept, new state)."""
+        if self.method.filter is None:
+            return keep, self.state
+        new, state = self.method.filter(logits.detach(), ctx, self.state, self.hp)
+        return (new if keep is None else keep & new), state
+
+    # -- the steps ---------------------------------------------------------------------------
+    def _step(self, g):
+        """θ ← SGD-momentum(θ, Δ + the method's data-free term): post-processing of Δ."""
+        penalty = self.method.penalty
+        extra = None if penalty is None else penalty(self.params, self.theta0, self.hp)
+        for n, p in self.params.items():
+            p.grad = (g[n] if extra is None else g[n] + extra[n]).to(p.dtype)
+        self.opt.step()
+        self._set_theta(self.params)
+
     def _sam_step(self, x, ctx):
-        # SAR: ascend along the plain mean gradient (clip-only too, as the paper), take the
-        # gradient at θ + ρ·g/‖g‖ on the samples still kept there, step from θ; then recovery
-        logits, g, keep = self._grad(x, ctx, clip=False)
+        """SAR's SAM: ascend along the plain mean gradient of the kept samples (clip-only too,
+        as the paper's code does), take the gradient at θ + ρ·g/‖g‖ on those still kept
+        there, step from θ; then its recovery. DP-SAT, its DP variant: the ascent direction
+        is the previous *private* Δ (free: it is released; none at the first step), one
+        private gradient per step, and the prediction is made at θ, not at the ascent."""
+        keep, logits, direction = None, None, self.state.get("g_prev")
+        if not self.method.private:
+            logits, direction, keep, self.state = self._gradient(x, ctx, clip=False)
+            if direction is None:
+                return logits
+        shift = None if direction is None else self._ascent(direction)
+        at_ascent, g, keep, _ = self._gradient(x, ctx, shift, keep)
         if g is None:
             return logits
-        logits_at_ascent, g, keep = self._grad(x, ctx, self._ascent(g), keep)
-        if g is None:
-            return logits
+        if self.method.private:
+            self.state = {**self.state, "g_prev": g}
+            logits = at_ascent
+            if shift is not None:
+                with torch.no_grad():
+                    logits = logits_of(self.model(x))
         self._step(g)
-        # recovery: ema ← 0.9·ema + 0.1·H; a collapse (ema < reset_ema) resets θ, optimizer
-        loss = self.ent(logits_at_ascent.detach())[keep].mean().item()
+        if "reset_ema" in self.hp:
+            self._recover(entropy(at_ascent.detach())[keep].mean().item())
+        return logits
+
+    def _recover(self, loss):
+        """SAR's model recovery: ema ← 0.9·ema + 0.1·H at the ascent point; a collapse (ema
+        below reset_ema) resets θ, the optimizer and the average."""
+        ema = self.state.get("ema")
         if not math.isnan(loss):
-            self.ema = loss if self.ema is None else 0.9 * self.ema + 0.1 * loss
-        if self.ema is not None and self.ema < self.hp["reset_ema"]:
+            ema = loss if ema is None else 0.9 * ema + 0.1 * loss
+        self.state = {**self.state, "ema": ema}
+        if ema is not None and ema < self.hp["reset_ema"]:
             self.reset()
-        return logits
 
-    def _dp_sat_step(self, x, ctx):  # DP-SAT: ascend along the last *private* Δ
-        shift = None if self.g_prev is None else self._ascent(self.g_prev)
-        logits, self.g_prev, _ = self._grad(x, ctx, shift)
-        if shift is not None:
-            with torch.no_grad():
-                logits = logits_of(self.model(x))
-        self._step(self.g_prev)
-        return logits
-
-    def _ascent(self, g):  # SAM's perturbation ρ·g/‖g‖
+    def _ascent(self, g):
+        """SAM's perturbation ρ·g/‖g‖."""
         norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt()
         return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}
 
+
+# ----------------------------------------------------------------------------
+# DP-Norm (beyond the paper): BatchNorm networks, their statistics released privately
+# The constants of its model of the noise (z units: standard deviations of the source's):
+PRECISION = 0.1  # the noise a layer's long average aims to carry, per coordinate
+MEMORY = 100  # the long average's longest memory, in batches
+WINDOW = 4  # the short average's memory: a shift of the stream shows within a few batches
+SHIFT = 1.5  # the averages differ by more than SHIFT times their noise: the stream shifted
+FLOOR = 0.25  # under noise, var z >= 1/4: no layer's output scaled up by more than 2
+NORM_HOPELESS = 0.5  # the average's noise above which dp_norm cannot move off the source
+
+
+def release_noise(sigma, clip, batch):
+    """τ², the noise variance per coordinate of a release (Σ clip(v_i, c) + N(0, σ²c²I)) / B."""
+    return 0.0 if sigma == 0 else (sigma * clip / batch) ** 2
+
+
+def norm_gain(noise):
+    """The long average's weight of a new release of noise variance τ²: 2ρ²/(τ² + ρ²), so
+    that its steady noise τ²·gain/(2 − gain) is ρ² = PRECISION² (at least 1/MEMORY; 1, this
+    batch alone, when there is no noise)."""
+    return min(1.0, max(1 / MEMORY, 2 * PRECISION**2 / (noise + PRECISION**2)))
+
+
+def running_average(average, s, noise, gain):
+    """Releases s (noise variance `noise` per coordinate) averaged with weights (1 − gain)^age:
+    (Σ w·s, Σ w, Σ w²·noise), from (0, 0, 0). Its value Σws/Σw, its noise Σw²noise/(Σw)²."""
+    total, weight, variance = average
+    return (1 - gain) * total + s, (1 - gain) * weight + 1, (1 - gain) ** 2 * variance + noise
+
+
+def averaged(averages, s, noise):
+    """(long, short) running averages with a new release s. When the short average strays
+    from the long one by more than SHIFT times the noise they carry, the stream has shifted
+    (a new corruption): the long one restarts from the short one."""
+    empty = (0 * s, 0.0, 0.0)
+    long, short = averages or (empty, empty)
+    gain = norm_gain(noise)
+    long, short = (
+        running_average(long, s, noise, gain),
+        running_average(short, s, noise, max(gain, 1 / WINDOW)),
+    )
+    (a, noise_a), (b, noise_b) = value_and_noise(long), value_and_noise(short)
+    if noise_a + noise_b > 0 and (a - b).pow(2).mean() > SHIFT * (noise_a + noise_b):
+        long = short
+    return long, short
+
+
+def value_and_noise(average):
+    total, weight, variance = average
+    return total / weight, variance / weight**2
+
+
+def estimated(averages, channels):
+    """(a, var z) of a layer from its long average of (mean z, mean z² − 1), noise n each.
+
+    The mean a and the variance v − 1 = (mean z² − 1) − a² are estimated without bias
+    (E[â²] = a² + n, so v̂ − 1 = b̂ − â² + n), then each is shrunk toward the source (0)
+    by its signal-to-noise ratio, James-Stein: x·max(0, 1 − noise/mean(x²)), over the
+    layer's channels; v̂'s noise is about n·(1 + 4·mean(â²)) (the square of a noisy â)."""
+    value, noise = value_and_noise(averages[0])
+    a, b = value[:channels], value[channels:]
+    if noise == 0:
+        return a, 1 + b - a**2
+    v = b - a**2 + noise
+    v_noise = noise * (1 + 4 * a.pow(2).mean().item())
+    a, v = shrunk(a, noise), shrunk(v, v_noise)
+    return a, (1 + v).clamp(min=FLOOR)
+
+
+def shrunk(x, noise):
+    """x·max(0, 1 − noise/mean(x²)): the part of x its noise cannot explain."""
+    return x * max(0.0, 1 - noise / max(x.pow(2).mean().item(), 1e-30))
+
+
+def bn_moments(x, mean, var, eps):
+    """DP-Norm's per-sample statistic of a BatchNorm input x [B, C, ...]: v_i = (mean z,
+    mean z² − 1) over the image's positions, z = (x − μ_src)/√(var_src + eps), [B, 2C].
+    It is 0 at the source's statistics, so a clip shrinks it toward the source."""
+    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, C, H·W] (BatchNorm1d: H·W = 1)
+    z = (z - mean[:, None]) / (var[:, None] + eps).sqrt()
+    return torch.cat([z.mean(-1), z.pow(2).mean(-1) - 1], 1)
+
+
+class DPNorm(DPTTA):
+    """norm and dp_norm, for BatchNorm networks: no gradient, the statistics re-estimated.
+
+    On a BatchNorm network most of TTA's gain comes from re-estimating the normalization
+    statistics on the test batches ("norm", Schneider et al. 2020: train-mode BatchNorm),
+    and those statistics are what leaks: each is an average over the batch's images.
+    dp_norm releases them privately. Before each of the first bn_layers BatchNorm layers
+    (default all: L layers) runs, the batch's moments are released:
+
+        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),  c = bn_scale·√(2·ch)
+
+    Replacing one image moves the sum by at most 2c, so each release is (2/σ_l)-GDP; an
+    image is in one batch, and the L releases of a forward compose to 2√L/σ_l = 2/σ, so
+    σ_l = √L·σ(ε, δ). The release's noise is known exactly, τ = σ_l·c/B per coordinate,
+    and everything after it is post-processing: the releases are averaged (running_average,
+    a long and a short memory, restarted when the stream shifts), each layer's mean and
+    variance are estimated without bias and shrunk toward the source by their
+    signal-to-noise ratio (estimated), and the layer normalizes with μ = μ_src + σ_src·a and
+    σ² = σ_src²·v. Where the noise exceeds what
+    the average can carry, a layer stays at the source's statistics: dp_norm then keeps the
+    source's accuracy instead of losing it. BatchNorm layers after the first bn_layers
+    keep their source statistics; the model must run each BatchNorm module once per forward."""
+
+    def __init__(self, model, method="dp_norm", **kwargs):
+        super().__init__(model, method, **kwargs)
+        name, private = self.method.name, self.method.private
+        bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
+        need(bns and self.bn == "train", f"{name} needs a model with BatchNorm, not frozen")
+        need(self.accumulate == 1 or private, "norm has nothing to accumulate")
+        k, layers = self.hp["bn_layers"], f"from 1 to the model's {len(bns)} BatchNorm layers"
+        need(
+            k is None or isinstance(k, int) and 1 <= k <= len(bns),
+            f"bn_layers must be a count {layers}",
+        )
+        chosen, self.checked = bns[:k], not private
+        if not private:
+            self.batch_statistics([m for _, m in chosen])
+            return
+        none = [n for n, m in chosen if m.running_mean is None] + [None]
+        need(none[0] is None, f"{name}: BatchNorm {none[0]} has no running statistics")
+        self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in chosen}
+        self.releases = len(self.bn_src)
+        self.sigma *= math.sqrt(self.releases)  # σ_l = √L·σ: L releases per image
+        self.reset()
+
+    def reset(self):
+        """DPTTA's reset, and the source's statistics back in every private layer."""
+        super().reset()
+        for name, (mean, var) in self.bn_src.items():
+            self.model.get_submodule(name).running_mean.copy_(mean)
+            self.model.get_submodule(name).running_var.copy_(var)
+
+    def _update(self, x):
+        if not self.checked:  # before the first release: one release per layer and forward
+            self.check_releases(torch.zeros_like(x[:1]))
+        with torch.no_grad(), contextlib.ExitStack() as hooks:
+            for name in self.bn_src:  # a hook's handle removes it on exit
+                hook = partial(self._release_statistics, name)
+                hooks.enter_context(self.model.get_submodule(name).register_forward_pre_hook(hook))
+            return logits_of(self.model(x))
+
     def check_releases(self, x):
-        """dp_norm accounts one release per private BN layer and forward: a module run twice
-        (shared, or a block applied twice) would release twice. A data-free forward (zeros of
-        the input's shape) counts the calls; a layer called more than once is refused."""
+        """Each run of a BatchNorm layer is a release, accounted once per layer: a module run
+        twice in a forward (shared, or a block applied twice) would release twice (L = 1 with
+        2 releases is ε = 7.46 at a claimed 5). A forward of x, data-free (zeros of the
+        input's shape), counts the calls; a layer called more than once is refused."""
         calls = dict.fromkeys(self.bn_src, 0)
 
         def count(name, module, args):
@@ -657,35 +1066,28 @@ class DPTTA(nn.Module):
                 hooks.enter_context(module.register_forward_pre_hook(partial(count, name)))
             self.model(x)
         twice = [f"{n} ({k}x)" for n, k in calls.items() if k > 1]
-        need(not twice, f"BatchNorm {', '.join(twice)} runs more than once per forward: each "
-             "run would be a release that dp_norm does not account; give each use its own module")
-        self.bn_checked = True
+        need(
+            not twice,
+            f"BatchNorm {', '.join(twice)} runs more than once per forward: each run "
+            "is a release dp_norm does not account; give each use its own module",
+        )
+        self.checked = True
 
-    def _release_stats(self, name, bn, args):
-        """dp_norm, before BN `name` runs: its statistics := its releases."""
+    def _release_statistics(self, name, bn, args):
+        """Before BatchNorm layer `name` runs: release its batch's moments, average, estimate."""
         mean, var = self.bn_src[name]
         v = bn_moments(args[0], mean, var, bn.eps)
-        # (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B, c = scale·√(2C): a (2/σ_l)-GDP release
-        c = self.hp["bn_scale"] * math.sqrt(v.shape[1])
+        c = self.hp["bn_scale"] * math.sqrt(v.shape[1])  # c = bn_scale·√(2·channels)
         s = clip_and_noise({"v": v}, c, self.sigma, self.noise_gen)["v"]
-        m, v = s[:len(mean)], s[len(mean):] + 1 - s[:len(mean)] ** 2  # E z, E[z²] − (E z)²
-        k, (m0, v0) = self.hp["bn_momentum"], self.bn_ema[name]  # EMA: ← (1 − k)·old + k·new
-        m, v = (1 - k) * m0 + k * m, ((1 - k) * v0 + k * v).clamp(min=self.hp["bn_floor"])
-        self.bn_ema[name] = m, v
-        bn.running_mean.copy_(mean + (var + bn.eps).sqrt() * m)  # μ = μ_src + σ_src·E z
-        bn.running_var.copy_((var + bn.eps) * v)  # σ_src²·var z, as train mode
+        tau2 = release_noise(self.sigma, c, len(v))
+        self.state[name] = averaged(self.state.get(name), s, tau2)
+        a, ratio = estimated(self.state[name], len(mean))
+        bn.running_mean.copy_(mean + (var + bn.eps).sqrt() * a)  # μ = μ_src + σ_src·a
+        bn.running_var.copy_((var + bn.eps) * ratio)  # σ² = σ_src²·var z, as train mode's
 
-    def _step(self, g):
-        for n, p in self.params.items():
-            if self.fisher is not None:  # data-free (θ, θ0, public F): unclipped
-                drift = p.detach() - self.theta0[n]  # ∇ λ·Σ F(θ − θ0)² = 2λF(θ − θ0)
-                g[n] = g[n] + 2 * self.hp["fisher_lambda"] * self.fisher[n] * drift
-            p.grad = g[n].to(p.dtype)
-        self.opt.step()
-        self._set_theta(self.params)
 
 # ============================================================================
-# Part II: running it (data, the paper's hyperparameters, the command line, main)
+# Part II: ImageNet-C from the command line (data, the paper's values, records, main)
 import argparse
 import copy
 import hashlib
@@ -703,86 +1105,68 @@ from torch.utils.data import DataLoader, Subset, default_collate
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import has_file_allowed_extension
 
-# -- Data: ImageNet-C / ImageNet-R folders, labelled by WordNet id -----------
-CORRUPTIONS = ("gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur",
-               "motion_blur", "zoom_blur", "snow", "frost", "fog", "brightness", "contrast",
-               "elastic_transform", "pixelate", "jpeg_compression")
-HELD_OUT = ("speckle_noise", "gaussian_blur", "spatter", "saturate")  # for tuning
-LAYOUT = ("expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: "
-          "ROOT/<wnid>/*.jpg); ImageNet-C: https://zenodo.org/record/2235448")
+# ----------------------------------------------------------------------------
+# Data: ImageNet-C and ImageNet-R folders, labelled by WordNet id
+CORRUPTIONS = tuple(  # ImageNet-C's 15, in the customary order
+    "gaussian_noise shot_noise impulse_noise defocus_blur glass_blur motion_blur zoom_blur snow "
+    "frost fog brightness contrast elastic_transform pixelate jpeg_compression".split()
+)
+HELD_OUT = ("speckle_noise", "gaussian_blur", "spatter", "saturate")  # to tune on
+LAYOUT = (
+    "expected ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT/<wnid>/*.jpg); "
+    "ImageNet-C: https://zenodo.org/record/2235448"
+)
+
 
 def reached_once(seen, path, node):
-    """Refuses a path whose node (device, inode) `seen` holds under another path."""
+    """μ = 2/σ for a stream assumes each image once: a file or folder reached twice (a
+    symlink, a link loop, a hard link: the same device and inode) is refused, naming both."""
     first = seen.setdefault(node, path)
     need(first == path, f"{path} is {first} again (a link?): an image is in a stream once")
 
-def file_digest(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).digest()
-
-def check_public(fisher_set, streams, used):
-    """EATA's penalty is data-free only if its images are public: a Fisher image that is a
-    stream's file (the same device and inode: a link, the same folder) or a byte copy of one
-    (compared for the `used` images, against stream files of the same size) is refused."""
-    nodes, by_size = {}, {}
-    for ds in streams.values():
-        nodes.update(ds.nodes)
-        for path, size in ds.sizes.items():
-            by_size.setdefault(size, []).append(path)
-    for node, path in fisher_set.nodes.items():
-        require(node not in nodes, f"--fisher-data: {path} is the stream's {nodes.get(node)}; "
-                "EATA's Fisher images must be public, never the test stream")
-    for i in used:
-        path = fisher_set.samples[i][0]
-        same_size = by_size.get(fisher_set.sizes[path], [])
-        digest = file_digest(path) if same_size else None
-        same = [p for p in same_size if file_digest(p) == digest]
-        require(not same, f"--fisher-data: {path} is a copy of the stream's {same[:1]}; EATA's "
-                "Fisher images must be public, never the test stream")
 
 def load_rgb(path):
-    """PIL's RGB image; 16-bit greyscale (I;16) scaled to 8 bits (PIL's convert clips it at
-    255: 99.7% white); 32-bit integer or float images refused (unreadable, named)."""
+    """An RGB image. PIL's convert clips a 16-bit greyscale PNG (I;16) at 255, 99.7% white:
+    it is scaled to 8 bits instead; a 32-bit integer or float image is refused (unreadable)."""
     with Image.open(path) as img:
         if img.mode.startswith("I;16"):
             pixels = np.asarray(img, dtype=np.float64) / 257  # 65535 -> 255
             return Image.fromarray(pixels.round().astype(np.uint8)).convert("RGB")
-        if img.mode in ("I", "F"):
-            raise ValueError(f"a {img.mode}-mode (32-bit) image: convert it to 8 bits")
+        need(img.mode not in ("I", "F"), f"a {img.mode}-mode (32-bit) image: convert it to 8 bits")
         return img.convert("RGB")
 
+
 class WnidFolder(ImageFolder):
-    """ImageFolder, ImageNet-1k targets by wnid (any subset); unreadable: (None, path).
-    Hidden files and folders (a leading '.': macOS' ._ twins, .DS_Store,
-    .ipynb_checkpoints) are skipped, and so are files that are not regular (a FIFO would
-    hang the loader); a folder inside a class folder is refused (its images would take the
-    class's label)."""
+    """An ImageFolder whose targets are ImageNet-1k indices by WordNet id (any subset of the
+    1,000 classes), never folder enumeration. An unreadable image gives (None, path).
+
+    Hidden files and folders (a leading ".": macOS' ._ twins, .DS_Store, .ipynb_checkpoints)
+    are skipped, and so is a file that is not regular (a FIFO named *.JPEG would hang the
+    loader); a folder inside a class folder is refused (its images would take the class's
+    label). nodes {(device, inode): path} and sizes {path: bytes} keep what was listed."""
 
     def __init__(self, root, transform=None):
         super().__init__(root, transform)  # raises: no class folder, an empty one
         index = {w: i for i, w in enumerate(timm.data.ImageNetInfo().label_names())}
-        unknown = [c for c in self.classes if c not in index]
-        if unknown:
-            raise ValueError(f"{unknown[0]} is not an ImageNet-1k WordNet id")
+        unknown = [c for c in self.classes if c not in index] + [None]
+        need(unknown[0] is None, f"{unknown[0]} is not an ImageNet-1k WordNet id")
         self.imagenet_index = [index[c] for c in self.classes]
 
     def find_classes(self, directory):
-        classes = sorted(e.name for e in os.scandir(directory)
-                         if e.is_dir() and not e.name.startswith("."))
+        names = sorted(e.name for e in os.scandir(directory) if e.is_dir())
+        classes = [c for c in names if not c.startswith(".")]
         if not classes:
             raise FileNotFoundError(f"no class folder in {directory}")
         return classes, {c: i for i, c in enumerate(classes)}
 
-    def make_dataset(
-            self, directory, class_to_idx, extensions=None, is_valid_file=None, allow_empty=False):
-        """ImageFolder's listing; a path reached twice (a link, a loop) refused."""
-        self.nodes, self.sizes = {}, {}  # {(device, inode): path} for Mixed; {path: bytes}
-        samples = []
-        for folder in [directory] + [os.path.join(directory, c) for c in sorted(class_to_idx)]:
+    def make_dataset(self, directory, class_to_idx, extensions=None, *args, **kwargs):
+        self.nodes, self.sizes, samples = {}, {}, []
+        st = os.stat(directory)
+        reached_once(self.nodes, directory, (st.st_dev, st.st_ino))
+        for c, target in class_to_idx.items():
+            folder = os.path.join(directory, c)
             st = os.stat(folder)
             reached_once(self.nodes, folder, (st.st_dev, st.st_ino))
-            if folder == directory:
-                continue
             found = []
             for name in sorted(os.listdir(folder)):
                 if name.startswith("."):  # hidden: macOS' ._ twins, .DS_Store, checkpoints
@@ -792,14 +1176,13 @@ class WnidFolder(ImageFolder):
                 if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
                     continue  # a FIFO, a socket, a device
                 reached_once(self.nodes, path, (st.st_dev, st.st_ino))
-                if stat.S_ISDIR(st.st_mode):
-                    raise ValueError(f"{path} is a folder inside a class folder")
+                need(not stat.S_ISDIR(st.st_mode), f"{path} is a folder inside a class folder")
                 if has_file_allowed_extension(path, extensions):
                     found.append(path)
                     self.sizes[path] = st.st_size
-            if not found and not allow_empty:
+            if not found:
                 raise FileNotFoundError(f"no image in class folder {folder}")
-            samples += [(path, class_to_idx[os.path.basename(folder)]) for path in found]
+            samples += [(path, target) for path in found]
         return samples
 
     def __getitem__(self, i):
@@ -807,11 +1190,12 @@ class WnidFolder(ImageFolder):
         try:
             return self.transform(load_rgb(path)), self.imagenet_index[c]
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-            return None, path  # truncated, corrupt, not an image, a bomb
+            return None, path  # truncated, corrupt, not an image, a decompression bomb
+
 
 def collate_skipping(batch):
-    """(x, y, unreadable paths): an unreadable image is a gray placeholder,
-    label −1: not scored, but in B (B never depends on a file's health)."""
+    """(x, y, unreadable paths). An unreadable image becomes a gray placeholder with label
+    −1: never scored, but in the batch, so that B, the divisor, never depends on a file."""
     bad = [path for x, path in batch if x is None]
     good = [b for b in batch if b[0] is not None]
     if not good:
@@ -819,34 +1203,41 @@ def collate_skipping(batch):
     blank = (torch.zeros_like(good[0][0]), -1)
     return (*default_collate([blank if b[0] is None else b for b in batch]), bad)
 
+
 def image_stream(
-        dataset, batch_size, *, seed, workers, limit=None, pin_memory=False, order="random"):
-    """A seeded shuffle's first `limit` images; order: random, class or dirichlet:ALPHA."""
-    gen = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(len(dataset), generator=gen)[:limit]
+    dataset, batch_size, *, seed, workers, limit=None, order="random", pin_memory=False
+):
+    """Batches of a seeded shuffle's first `limit` images, in an order: random; class (sorted
+    by label, SAR's online label shift); or dirichlet:ALPHA (each class spread over as many
+    time slots as classes by Dir(ALPHA) shares, as RoTTA draws it)."""
+    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit]
     labels = np.asarray(dataset.targets)[perm.numpy()]
     if order == "class":
         perm = perm[np.argsort(labels, kind="stable")]
-    elif order.startswith("dirichlet:"):
+    if order.startswith("dirichlet:"):
         rng, classes = np.random.default_rng(seed), np.unique(labels)
         slots = [[] for _ in classes]
-        for c in classes:  # c's images cut into slots by Dir(α) shares
-            mine = perm.numpy()[labels == c]
+        for c in classes:  # class c's images cut into the slots by Dir(α) shares
             share = rng.dirichlet([float(order[10:])] * len(classes))
-            cuts = (np.cumsum(share) * len(mine)).astype(int)[:-1]
-            for slot, part in zip(slots, np.split(mine, cuts)):
+            cuts = (np.cumsum(share) * (labels == c).sum()).astype(int)[:-1]
+            for slot, part in zip(slots, np.split(perm.numpy()[labels == c], cuts)):
                 slot.extend(part)
-        perm = torch.as_tensor([i for s in slots for i in rng.permutation(s)], dtype=int)
-    return DataLoader(Subset(dataset, perm.tolist()), batch_size, num_workers=workers,
-                      collate_fn=collate_skipping, pin_memory=pin_memory)
+        perm = torch.as_tensor([i for slot in slots for i in rng.permutation(slot)], dtype=int)
+    subset = Subset(dataset, perm.tolist())
+    return DataLoader(
+        subset, batch_size, num_workers=workers, collate_fn=collate_skipping, pin_memory=pin_memory
+    )
+
 
 class Mixed(torch.utils.data.ConcatDataset):
-    """--setting mixed (SAR's): all corruptions c in one stream, y + TAG·c."""
+    """--setting mixed (SAR's mixed shifts): every corruption in one stream, each image
+    labelled y + TAG·c with its corruption c, so that each is scored apart. One stream: a
+    file in two corruptions' folders (a hard link) is refused, from the listings' nodes."""
+
     TAG = 1000
 
     def __init__(self, streams):
         super().__init__(list(streams.values()))
-        # one stream: no file in two corruptions' folders
         seen = {}
         for node, path in (n for ds in self.datasets for n in ds.nodes.items()):
             reached_once(seen, path, node)
@@ -855,12 +1246,12 @@ class Mixed(torch.utils.data.ConcatDataset):
     def __getitem__(self, i):
         x, y = super().__getitem__(i)
         c = int(np.searchsorted(self.cumulative_sizes, i, "right"))
-        return (x, y + self.TAG * c) if x is not None else (x, y)
+        return (x, y) if x is None else (x, y + self.TAG * c)
+
 
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
-    """An ImageNet-C-shaped tree of random JPEGs, n per corruption, 10 wnids."""
-    wnids = timm.data.ImageNetInfo().label_names()[:10]
-    rng = np.random.default_rng(seed)
+    """An ImageNet-C-shaped tree of random JPEGs, n per corruption over 10 wnids (smoke runs)."""
+    wnids, rng = timm.data.ImageNetInfo().label_names()[:10], np.random.default_rng(seed)
     for c in corruptions:
         for i in range(n):
             folder = os.path.join(root, c, str(severity), wnids[i % len(wnids)])
@@ -869,324 +1260,427 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
             Image.fromarray(pixels).save(os.path.join(folder, f"{i:06d}.JPEG"), quality=90)
     return root
 
-def fisher_information(model, params, images, n=2000):
-    """EATA's F on n clean images: batches' mean of (∇θ CE(f, argmax f))²."""
-    p = {k: t.detach().requires_grad_() for k, t in params.items()}
-    fisher, batches, seen = {k: torch.zeros_like(t) for k, t in p.items()}, 0, 0
-    device = next(iter(p.values())).device
-    for x in images:
-        x = x[:n - seen].to(device)
-        logits = functional_call(model, p, (x,))
-        loss = F.cross_entropy(logits, logits.argmax(1))
-        g = torch.autograd.grad(loss, list(p.values()))
-        for k, t in zip(p, g):
-            fisher[k] += t ** 2
-        batches, seen = batches + 1, seen + len(x)
-        if seen >= n:
-            break
-    return {k: f / max(batches, 1) for k, f in fisher.items()}
 
-# -- The paper's hyperparameters --------------------------------------------
-# ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream.
-# PAPER_DP: setting -> method -> dp_<method>'s (C, lr) at each of TUNED_EPS
+def check_public(fisher_set, streams, used):
+    """EATA's penalty is data-free only if its images are public: a Fisher image that is a
+    stream's file (its device and inode: the same folder, a link) or a byte copy of one (the
+    `used` images, compared with the stream's files of the same size) is refused."""
+    nodes, by_size = {}, {}
+    for ds in streams.values():
+        nodes.update(ds.nodes)
+        for path, size in ds.sizes.items():
+            by_size.setdefault(size, []).append(path)
+    public = "EATA's Fisher images must be public, never the test stream"
+    for node, path in fisher_set.nodes.items():
+        require(
+            node not in nodes, f"--fisher-data: {path} is the stream's {nodes.get(node)}; {public}"
+        )
+    for i in used:
+        path = fisher_set.samples[i][0]
+        same_size = by_size.get(fisher_set.sizes[path], [])
+        digest = file_digest(path) if same_size else None
+        copies = [p for p in same_size if file_digest(p) == digest] + [None]
+        require(
+            copies[0] is None,
+            f"--fisher-data: {path} is a copy of the stream's {copies[0]}; {public}",
+        )
+
+
+def file_digest(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).digest()
+
+
+# ----------------------------------------------------------------------------
+# The paper's hyperparameters: ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream
 TUNED_EPS = (20, 15, 10, 5, 1)
+# dp_<method>'s (C, lr) at each tuned ε: setting -> method -> {ε: (C, lr)}
 PAPER_DP = dict(
     continual=dict(
-        tent=[(0.1, 0.1), (0.1, 0.05), (0.1, 0.05), (1, 1e-3), (0.1, 5e-3)],
-        eata=[(1, 0.01), (1, 5e-3), (1, 5e-3), (10, 1e-4), (0.1, 5e-3)],
-        sar=[(10, 5e-4), (10, 5e-4), (15, 1e-4), (15, 1e-4), (5, 1e-4)],
-        deyo=[(10, 5e-5), (10, 5e-5), (1, 5e-4), (0.1, 5e-3), (0.1, 5e-3)],
-        deyo_come=[(10, 1e-3), (5, 1e-3), (1, 5e-3), (5, 1e-3), (0.1, 5e-3)]),
+        tent={20: (0.1, 0.1), 15: (0.1, 0.05), 10: (0.1, 0.05), 5: (1, 1e-3), 1: (0.1, 5e-3)},
+        eata={20: (1, 0.01), 15: (1, 5e-3), 10: (1, 5e-3), 5: (10, 1e-4), 1: (0.1, 5e-3)},
+        sar={20: (10, 5e-4), 15: (10, 5e-4), 10: (15, 1e-4), 5: (15, 1e-4), 1: (5, 1e-4)},
+        deyo={20: (10, 5e-5), 15: (10, 5e-5), 10: (1, 5e-4), 5: (0.1, 5e-3), 1: (0.1, 5e-3)},
+        deyo_come={20: (10, 1e-3), 15: (5, 1e-3), 10: (1, 5e-3), 5: (5, 1e-3), 1: (0.1, 5e-3)},
+    ),
     episodic=dict(
-        tent=[(1, 0.05), (0.1, 0.5), (0.1, 0.1), (0.1, 0.1), (1, 1e-3)],
-        eata=[(10, 5e-3), (0.1, 0.5), (0.1, 0.5), (0.1, 0.1), (0.1, 0.01)],
-        sar=[(1, 0.05), (10, 1e-3), (1, 0.01), (0.1, 0.1), (0.1, 0.01)],
-        deyo=[(1, 0.01), (1, 0.01), (10, 1e-3), (0.1, 0.1), (0.1, 1e-3)],
-        deyo_come=[(10, 5e-3), (1, 0.05), (0.1, 0.1), (0.1, 0.1), (0.1, 0.01)]))
-# clip-only: the originals, filters kept, per-sample clip, no noise: (C, lr)
+        tent={20: (1, 0.05), 15: (0.1, 0.5), 10: (0.1, 0.1), 5: (0.1, 0.1), 1: (1, 1e-3)},
+        eata={20: (10, 5e-3), 15: (0.1, 0.5), 10: (0.1, 0.5), 5: (0.1, 0.1), 1: (0.1, 0.01)},
+        sar={20: (1, 0.05), 15: (10, 1e-3), 10: (1, 0.01), 5: (0.1, 0.1), 1: (0.1, 0.01)},
+        deyo={20: (1, 0.01), 15: (1, 0.01), 10: (10, 1e-3), 5: (0.1, 0.1), 1: (0.1, 1e-3)},
+        deyo_come={20: (10, 5e-3), 15: (1, 0.05), 10: (0.1, 0.1), 5: (0.1, 0.1), 1: (0.1, 0.01)},
+    ),
+)
+# the clip-only originals (filters kept, per-sample clip, no noise): (C, lr)
 PAPER_CLIP_ONLY = dict(
-    continual=dict(tent=(0.1, 0.5), eata=(0.1, 0.5), sar=(1, 0.1), deyo=(10, 0.01),
-                   deyo_come=(20, 0.01)),
-    episodic=dict(tent=(1, 0.1), eata=(30, 5e-3), sar=(5, 0.05), deyo=(35, 5e-3),
-                  deyo_come=(20, 0.01)))
-PAPER_LR = dict(  # non-private originals
+    continual=dict(
+        tent=(0.1, 0.5), eata=(0.1, 0.5), sar=(1, 0.1), deyo=(10, 0.01), deyo_come=(20, 0.01)
+    ),
+    episodic=dict(
+        tent=(1, 0.1), eata=(30, 5e-3), sar=(5, 0.05), deyo=(35, 5e-3), deyo_come=(20, 0.01)
+    ),
+)
+PAPER_LR = dict(  # the non-private originals' lr
     continual=dict(tent=1e-4, eata=5e-4, sar=5e-3, deyo=5e-4, deyo_come=5e-4),
-    episodic=dict(tent=1e-3, eata=1e-3, sar=5e-3, deyo=1e-3, deyo_come=1e-3))
+    episodic=dict(tent=1e-3, eata=1e-3, sar=5e-3, deyo=1e-3, deyo_come=1e-3),
+)
 # Constants the paper's scripts ran that differ from the originals' (filters only, so they
-# matter for the originals and clip-only runs): SAR's E0 = 0.5·ln K, DeYO's τ_PLPD = 0.3.
+# matter for the originals and clip-only runs): SAR's E0 = 0.5·ln K, DeYO's τ_PLPD = 0.3
 PAPER_CONSTANTS = dict(
-    sar={"e_margin": 0.5}, deyo={"plpd_threshold": 0.3}, deyo_come={"plpd_threshold": 0.3})
-# Method constants settable with --hp NAME=VALUE (DPTTA's keywords, and EATA's Fisher size):
-# name -> (type, low, high), the open interval each must lie in
-inf = math.inf
-HP_TYPES = dict(
-    e_margin=(float, 0, inf), d_margin=(float, 0, inf), rho=(float, 0, inf),
-    reset_ema=(float, -inf, inf), deyo_margin=(float, 0, inf), plpd_threshold=(float, -1, 1),
-    patch_grid=(int, 1, inf), fisher_lambda=(float, 0, inf), fisher_size=(int, 0, inf),
-    num_classes=(int, 1, inf), bn_scale=(float, 0, inf), bn_floor=(float, -inf, inf),
-    bn_momentum=(float, 0, math.nextafter(1, 2)), bn_layers=(int, 0, inf))
+    sar=dict(e_margin=0.5), deyo=dict(plpd_threshold=0.3), deyo_come=dict(plpd_threshold=0.3)
+)
 
-def constants_used(method, fisher=False):
-    """The --hp names that change a run of `method` (filters' where they run)."""
-    base, deyo = method.removeprefix("dp_"), "deyo_margin plpd_threshold"
-    filters = dict(
-        eata="e_margin d_margin", sar="e_margin reset_ema", deyo=deyo, deyo_come=deyo)
-    uses = [(base == "sar", "rho"), (base in SHUFFLED, "patch_grid"),
-            (method == "dp_norm", "bn_scale bn_momentum bn_floor bn_layers"),
-            (base in WEIGHTED, "e_margin num_classes"),  # E0 = e_margin·ln K
-            (base in COME_LOSS, "num_classes"),  # COME's u = K/S
-            (fisher and base == "eata", "fisher_lambda fisher_size"),
-            (method in filters, f"{filters.get(method)} num_classes")]
-    return {name for on, names in uses if on for name in names.split()}
 
 def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
-    """(C, lr, source) from the paper's tables (an original + clip: clip-only)."""
-    private, base = method.startswith("dp_"), method.removeprefix("dp_")
-    if base in ("source", "norm"):
+    """(C, lr, where they come from) in the paper's tables; an original with a clip: its
+    clip-only row. COME alone has no row (Tent's is used); an ε the paper did not tune
+    takes the nearest tuned ε on a log scale; a method of the user's own has none."""
+    private, base = METHODS[method].private, method.removeprefix("dp_")
+    table, note = {"come": "tent"}.get(base, base), ""
+    if table != base:
+        note = f"; no entry for {base} alone, {table}'s used"
+    if METHODS[method].step not in ("plain", "sam"):
         return None, None, "no gradient step"
-    table, note = base, ""
-    # COME was tuned only inside DeYO; Tent shares its all-norms setup
-    if base == "come":
-        table, note = "tent", "; no entry for COME alone, Tent's used"
+    if table not in PAPER_LR["continual"]:
+        return None, None, f"no paper values for {method}"
     if not private and clip is None:
         return None, PAPER_LR[setting][table], f"paper, non-private {table}, {setting}{note}"
     if not private or math.isinf(eps):
         C, lr = PAPER_CLIP_ONLY[setting][table]
         return C, lr, f"paper, clip-only {table}, {setting}{note}"
-    near = min(TUNED_EPS, key=lambda e: abs(math.log(e / eps)))  # nearest, log scale
+    near = min(TUNED_EPS, key=lambda e: abs(math.log(e / eps)))
     if near != eps:
         note += f"; ε={eps:g} not tuned, nearest tuned ε={near} (log scale) used"
-    C, lr = PAPER_DP[setting][table][TUNED_EPS.index(near)]
+    C, lr = PAPER_DP[setting][table][near]
     return C, lr, f"paper, dp_{table} ε={near}, {setting}{note}"
 
-# -- The command line --------------------------------------------------------
+
+# The constants --hp NAME=VALUE may set: (type, low, high), an open interval
+HP_TYPES = dict(
+    e_margin=(float, 0, math.inf),
+    d_margin=(float, 0, math.inf),
+    rho=(float, 0, math.inf),
+    reset_ema=(float, -math.inf, math.inf),
+    deyo_margin=(float, 0, math.inf),
+    plpd_threshold=(float, -1, 1),
+    patch_grid=(int, 0, math.inf),
+    num_classes=(int, 1, math.inf),
+    fisher_lambda=(float, 0, math.inf),
+    fisher_size=(int, 0, math.inf),
+    bn_layers=(int, 0, math.inf),
+    bn_scale=(float, 0, math.inf),
+)
+
+
+def constants_used(method, fisher=False):
+    """The --hp names that change a run of `method`: its record's constants (the filter's
+    where the filter runs), EATA's Fisher weight and size only with Fisher data."""
+    record = METHODS[method]
+    names = {*record.constants, *record.filter_constants} - {"fisher"}
+    if "fisher_lambda" in names:
+        names = names | {"fisher_size"} if fisher else names - {"fisher_lambda"}
+    return names
+
+
+# ----------------------------------------------------------------------------
+# The command line: checks, one line on stderr and exit 2 before the first image
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
-# signals received, checked by the stream loop
-STOP = []
+STOP = []  # the signals received; the stream loop checks it
 PROGRESS_SECONDS = 60  # a progress line at least this often on long work
 
-def fail(msg, code=2):  # one line on stderr; exit 2 (bad input) or code
-    print(f"dptta: error: {msg}", file=sys.stderr)
+
+def fail(message, code=2):
+    """One line on stderr; exit 2 (bad input), 3 (diverged) or 4 (a write failed)."""
+    print(f"dptta: error: {message}", file=sys.stderr)
     sys.exit(code)
 
-def warn(msg):  # one line on stderr; the run goes on
-    print(f"dptta: warning: {msg}", file=sys.stderr)
 
-def require(ok, msg):
+def warn(message):
+    print(f"dptta: warning: {message}", file=sys.stderr)
+
+
+def require(ok, message):
     if not ok:
-        fail(msg)
+        fail(message)
 
-def one_line(e):  # an exception's message on one line
+
+def one_line(e):
     return " ".join(str(e).split()) or type(e).__name__
 
-def or_fail(make, *args, **kwargs):  # make(...); a ValueError: exit 2
+
+def or_fail(make, *args, **kwargs):
+    """make(...), with the library's ValueError as one line and exit 2."""
     try:
         return make(*args, **kwargs)
     except ValueError as e:
         fail(str(e))
 
+
+def parser_error(message):
+    """argparse's errors, as dptta's: "argument --lr: must be ..." -> "--lr must be ..."."""
+    fail(re.sub(r"^argument (--[\w-]+): ", r"\1 ", message))
+
+
+def number(kind, low, high=math.inf, strict=False):
+    """An argparse type: a `kind` in [low, high], or (low, high) if strict; NaN is out."""
+    shown = f"in {low}..{high}"
+    if high == math.inf:
+        shown = f"finite and > {low}" if strict else f">= {low}"
+    elif strict:
+        shown = f"in ({low}, {high})"
+
+    def parse(text):
+        value = kind(text)
+        inside = low < value < high if strict else low <= value <= high
+        if not inside:
+            raise argparse.ArgumentTypeError(f"must be {shown}, got {text}")
+        return value
+
+    return parse
+
+
+def eps_value(text):
+    """ε > 0, at most EPS_MAX, or inf; a number too large for a float (1e400) is refused."""
+    value = float(text)
+    if math.isinf(value) and text.strip().lower().lstrip("+") not in ("inf", "infinity"):
+        raise argparse.ArgumentTypeError(f"{text} overflows a float: give a finite ε or inf")
+    if not (0 < value <= EPS_MAX or value == math.inf):
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= {EPS_MAX:g}, or inf, got {text}")
+    return value
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.partition(".")[0])
-    ap.error = fail  # a bad flag: one line, exit 2 too
+    ap.error = parser_error  # a bad flag: one line, exit 2 too
+    positive = number(float, 0, strict=True)
     g = ap.add_argument_group("method and privacy").add_argument
-    g("--method", default="dp_tent", choices=METHODS, help="default dp_tent")
+    g("--method", default="dp_tent", choices=list(METHODS), help="default dp_tent")
     g("--eps", type=eps_value, help="ε of a dp_ method; inf: clip only (default 5)")
-    g("--delta", type=float, help="δ of a dp_ method (default 1e-6)")
+    g("--delta", type=number(float, 0, 1, strict=True), help="δ of a dp_ method (default 1e-6)")
     g("--privacy-unit", default="image", choices=("image", "photo"), help="photo: σ·√streams")
-    g("--clip", type=float, help="per-sample clip C (default: paper's); originals: clip-only")
-    g("--lr", type=float, help="SGD learning rate (default: paper's)")
-    g("--hp", action="append", default=[], metavar="NAME=VALUE",
-      help=f"a method constant: {', '.join(HP_TYPES)}")
+    g("--clip", type=positive, help="per-sample clip C (default: paper's); originals: clip-only")
+    g("--lr", type=positive, help="SGD learning rate (default: paper's)")
+    g(
+        "--hp",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"a method constant: {', '.join(HP_TYPES)}",
+    )
+    g("--noise-seed", type=number(int, 0, 2**63 - 1), help="replay the noise: NOT private")
     g = ap.add_argument_group("data").add_argument
     g("--data", default=os.environ.get("IMAGENET_C"), help="root (default $IMAGENET_C)")
     g("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"))
-    g("--severity", type=int, help="ImageNet-C's, 1-5 (default 5)")
+    g("--severity", type=number(int, 1, 5), help="ImageNet-C's, 1-5 (default 5)")
     g("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, in order")
-    g("--fisher-data", help="EATA's clean images (<wnid>/ folders)")
-    g("--limit", type=int, help="images per corruption")
-    g("--workers", type=int, default=min(8, os.cpu_count() or 1))
-    g("--synthetic", type=int, metavar="N", help="smoke run: N random images each")
+    g("--fisher-data", help="EATA's public clean images (<wnid>/ folders)")
+    g("--limit", type=number(int, 1), help="images per corruption")
+    g("--workers", type=number(int, 0), default=min(8, os.cpu_count() or 1))
+    g("--synthetic", type=number(int, 1), metavar="N", help="smoke run: N random images each")
     g = ap.add_argument_group("model").add_argument
     g("--model", help=f"timm name (default {DEFAULT_MODEL})")
     g("--checkpoint", help="local weights for --model")
     g("--device", default="auto", choices=("auto", "cuda", "cpu"), help="auto: cuda if any")
     g("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast on CUDA")
-    g("--bn", choices=("train", "source"), help="BatchNorm: test batch or source stats")
+    g("--bn", choices=("train", "source"), help="BatchNorm: test batch or source statistics")
     g = ap.add_argument_group("run").add_argument
-    g("--setting", default="continual", choices=("continual", "episodic", "mixed"),
-      help="episodic: reset before each corruption; mixed: all in one stream")
+    g(
+        "--setting",
+        default="continual",
+        choices=("continual", "episodic", "mixed"),
+        help="episodic: reset before each corruption; mixed: all in one stream",
+    )
     g("--order", default="random", help="random, class or dirichlet:ALPHA")
-    g("--repeat", type=int, default=1, help="stream the corruptions N times")
-    g("--accumulate", type=int, default=1, help="a step per K batches")
-    g("--batch-size", type=int, help="default 64 (--benchmark on CPU: 32)")
-    g("--seed", type=int, default=0, help="data order, patch shuffles (never the noise)")
-    g("--noise-seed", type=int, help="replay the noise: NOT private against its holder")
+    g("--repeat", type=number(int, 1), default=1, help="stream the corruptions N times")
+    g("--accumulate", type=number(int, 1), default=1, help="a step per K batches")
+    g("--batch-size", type=number(int, 1), help="default 64 (--benchmark on CPU: 32)")
+    g("--seed", type=number(int, 0, 2**63 - 1), default=0, help="data order, patch shuffles")
     g("--out", help="JSON lines, appended (default results*.jsonl)")
     g("--resume", action="store_true", help="skip a run --out holds; finish a killed one")
-    g("--log-every", type=int, default=100, help="a progress line per N batches")
+    g("--log-every", type=number(int, 1), default=100, help="a progress line per N batches")
     g = ap.add_argument_group("tools").add_argument
     g("--summarize", metavar="JSONL", help="the paper-style tables of a file")
     g("--per-corruption", action="store_true", help="--summarize: per corruption too")
     g("--error", action="store_true", help="--summarize: error %%, not top-1")
     g("--benchmark", action="store_true", help="time a step of every method")
-    g("--rounds", type=int, help="--benchmark: timed rounds (default 5)")
+    g("--rounds", type=number(int, 1), help="--benchmark: timed rounds (default 5)")
     g("--audit", action="store_true", help="an empirical ε lower bound")
-    g("--trials", type=int, help="--audit: white-box trials (default 20000)")
-    g("--e2e-trials", type=int, help="--audit: end-to-end trials (default 5000)")
+    g("--trials", type=number(int, 100), help="--audit: white-box trials (default 20000)")
+    g("--e2e-trials", type=number(int, 100), help="--audit: end-to-end trials (default 5000)")
     return ap.parse_args(argv)
 
-def eps_value(text):
-    """A float; a finite number too large for one (1e400) is refused, not read as inf."""
-    value = float(text)
-    if math.isinf(value) and text.strip().lower().lstrip("+") not in ("inf", "infinity"):
-        raise argparse.ArgumentTypeError(f"{text} overflows a float: give a finite ε or inf")
-    return value
 
-def parse_hp(items):
-    """["e_margin=0.5", ...] -> {"e_margin": 0.5}: known names, finite."""
-    hp = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        require(name in HP_TYPES, f"--hp {item}: unknown constant; {', '.join(HP_TYPES)}")
-        kind, low, high = HP_TYPES[name]
-        try:
-            hp[name] = kind(value)
-        except ValueError:
-            fail(f"--hp {item}: {value!r} is not a {kind.__name__}")
-        require(math.isfinite(hp[name]), f"--hp {item}: must be finite")
-        require(low < hp[name] < high, f"--hp {item}: must be in ({low:g}, {high:g})")
-    return hp
+TOOL_FLAGS = dict(
+    rounds=("benchmark", 5),
+    trials=("audit", 20000),
+    e2e_trials=("audit", 5000),
+    per_corruption=("summarize", False),
+    error=("summarize", False),
+)
+
 
 def check_common(args, mode=None):
-    """The flags every mode reads, none of another mode's: one line, exit 2."""
-    tools = dict(rounds=("benchmark", 5), trials=("audit", 20000), e2e_trials=("audit", 5000),
-                 per_corruption=("summarize", 0), error=("summarize", 0))
-    for flag, (tool, default) in tools.items():
+    """What every mode reads: no other mode's flag, the device and dtype (decided once)."""
+    for flag, (tool, default) in TOOL_FLAGS.items():
         value = getattr(args, flag)
-        require(value in (None, False) or mode == tool,
-                f"--{flag.replace('_', '-')} is for --{tool} only")
+        require(
+            value in (None, False) or mode == tool,
+            f"--{flag.replace('_', '-')} is for --{tool} only",
+        )
         if value is None:
             setattr(args, flag, default)
-    require(args.eps is None or args.eps > 0, f"--eps must be > 0, got {args.eps}")
-    require(args.eps is None or args.eps <= EPS_MAX or math.isinf(args.eps),
-            f"--eps must be <= {EPS_MAX:g} or inf (no noise), got {args.eps}")
-    require(args.delta is None or 0 < args.delta < 1,
-            f"--delta must be in (0, 1), got {args.delta}")
-    for flag in ("clip", "lr"):
-        v = getattr(args, flag)
-        require(v is None or 0 < v < math.inf, f"--{flag} must be finite and > 0, got {v}")
-    lows = dict(batch_size=1, rounds=1, trials=100, e2e_trials=100, workers=0, limit=1,
-                log_every=1, synthetic=1, repeat=1, accumulate=1)
-    for flag, low in lows.items():
-        v = getattr(args, flag)
-        require(v is None or v >= low, f"--{flag.replace('_', '-')} must be >= {low}, got {v}")
     if args.model is not None:
         check_model(args.model)
-    for flag in ("seed", "noise_seed"):
-        v = getattr(args, flag)
-        require(v is None or 0 <= v < 2 ** 63,
-                f"--{flag.replace('_', '-')} must be in 0 .. 2**63 - 1, got {v}")
-    require(args.device != "cuda" or torch.cuda.is_available(),
-            "--device cuda: no CUDA device is visible")
+    require(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.dtype = "bf16" if args.amp == "bf16" and args.device == "cuda" else "fp32"
 
+
 def check_args(args):
-    """Every flag checked, defaults filled in; wrong: one line, exit 2."""
+    """Every flag of a run checked and its default filled in: one line and exit 2 if wrong."""
     check_common(args)
-    private, base = args.method.startswith("dp_"), args.method.removeprefix("dp_")
-    hint = f" (try dp_{args.method})" if args.method != "source" else ""
-    require(args.eps is None or private,
-            f"--eps applies to dp_ methods only; {args.method} is not private{hint}")
+    record = METHODS[args.method]
+    private, name, gradient = record.private, args.method, record.step in ("plain", "sam")
+    hint = "" if gradient or record.step == "none" else f" (try dp_{name})"
+    require(
+        args.eps is None or private,
+        f"--eps applies to dp_ methods only; {name} is not private{hint}",
+    )
     if private and args.eps is None:
         args.eps = 5.0
-    noisy = private and math.isfinite(args.eps)  # a flag changing nothing: refused
-    require(args.delta is None or noisy, "--delta applies to a dp_ method with a finite --eps")
+    noisy = private and math.isfinite(args.eps)  # a flag that changes nothing: refused
+    for flag in ("delta", "noise_seed"):
+        require(
+            getattr(args, flag) is None or noisy,
+            f"--{flag.replace('_', '-')} applies to a dp_ method with a finite --eps",
+        )
+    require(
+        args.privacy_unit == "image" or noisy,
+        "--privacy-unit photo applies to a dp_ method with a finite --eps",
+    )
     if noisy and args.delta is None:
         args.delta = 1e-6
-    require(args.privacy_unit == "image" or noisy,
-            "--privacy-unit photo applies to a dp_ method with a finite --eps")
-    require(args.noise_seed is None or noisy, "--noise-seed applies to a dp_ method with a "
-            "finite --eps (the others draw no noise)")
-    stateless = base in ("source", "norm")
-    require(not stateless or (args.clip, args.lr, args.bn) == (None, None, None),
-            f"{args.method} takes no gradient step: --clip, --lr and --bn do not apply")
-    # EXTRA of a grid passes --fisher-data to every cell
-    if args.fisher_data and base != "eata":
-        print(f"note: --fisher-data is for eata and dp_eata; {args.method} ignores it")
+    require(
+        gradient or (args.clip, args.lr, args.bn) == (None, None, None),
+        f"{name} takes no gradient step: --clip, --lr and --bn do not apply",
+    )
+    if args.fisher_data and "fisher" not in record.constants:  # a grid's EXTRA gives every cell
+        print(f"note: --fisher-data is for eata and dp_eata; {name} ignores it")
         args.fisher_data = None
     kind, _, alpha = args.order.partition(":")
-    require(args.order in ("random", "class") or kind == "dirichlet" and _positive(alpha),
-            f"--order is random, class or dirichlet:ALPHA (ALPHA > 0), got {args.order!r}")
+    dirichlet = kind == "dirichlet" and is_positive(alpha)
+    require(args.order in ("random", "class") or dirichlet, f"--order {args.order!r}: {ORDERS}")
     for flag in ("repeat", "accumulate"):  # (dp_norm keeps its average: both apply)
-        require(getattr(args, flag) == 1 or args.method not in ("source", "norm"),
-                f"--{flag}: {args.method} keeps no state, so it changes nothing")
-    require(args.repeat == 1 or args.setting != "episodic",
-            "--repeat is for continual or mixed streams (episodic resets)")
-    require(args.severity is None or args.dataset == "imagenet_c",
-            "--severity: ImageNet-C only")
-    if args.severity is None:
-        args.severity = 5
-    require(1 <= args.severity <= 5, f"--severity must be in 1..5, got {args.severity}")
-    args.hp = parse_hp(args.hp)
-    for name in sorted(set(args.hp) - constants_used(args.method, bool(args.fisher_data))):
-        fail(f"--hp {name} does not change a {args.method} run (see constants_used)")
+        require(
+            getattr(args, flag) == 1 or gradient or private,
+            f"--{flag}: {name} keeps no state, so it changes nothing",
+        )
+    require(
+        args.repeat == 1 or args.setting != "episodic",
+        "--repeat is for continual or mixed streams (episodic resets)",
+    )
+    require(args.severity is None or args.dataset == "imagenet_c", "--severity: ImageNet-C only")
+    args.severity = 5 if args.severity is None else args.severity
+    args.hp = parse_hp(args.hp, name)
+    for hp in sorted(set(args.hp) - constants_used(name, bool(args.fisher_data))):
+        fail(f"--hp {hp} does not change a {name} run (see constants_used)")
     args.batch_size, args.model = args.batch_size or 64, args.model or DEFAULT_MODEL
     args.corruptions = [c for c in args.corruptions.split(",") if c]
     require(args.corruptions, "--corruptions is empty")
-    known = CORRUPTIONS + HELD_OUT
     for c in args.corruptions:
-        require(c in known, f"unknown corruption {c!r}; one of {', '.join(known)}")
-    require(len(set(args.corruptions)) == len(args.corruptions),
-            "--corruptions repeats one")
+        require(
+            c in CORRUPTIONS + HELD_OUT,
+            f"unknown corruption {c!r}; one of {', '.join(CORRUPTIONS + HELD_OUT)}",
+        )
+    require(len(set(args.corruptions)) == len(args.corruptions), "--corruptions repeats one")
     if args.dataset == "imagenet_r":
         require(not args.synthetic, "--synthetic makes ImageNet-C trees, not ImageNet-R")
         args.corruptions = ["imagenet_r"]
     if args.synthetic and args.corruptions == list(CORRUPTIONS):  # a short smoke run
         args.corruptions = args.corruptions[:3]
-    require(args.synthetic or args.data,
-            f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
-    require(args.synthetic or os.path.isdir(args.data),
-            f"--data {args.data} is not a folder; {LAYOUT}")
-    for flag, fits, kind in (("checkpoint", os.path.isfile, "a file"),
-                             ("fisher_data", os.path.isdir, "a folder of <wnid>/ folders")):
-        path, name = getattr(args, flag), "--" + flag.replace("_", "-")
-        require(path is None or os.path.exists(path), f"{name} {path} does not exist")
-        require(path is None or fits(path), f"{name} {path} is not {kind}")
+    require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
+    require(
+        args.synthetic or os.path.isdir(args.data), f"--data {args.data} is not a folder; {LAYOUT}"
+    )
+    for flag, fits, kind in (
+        ("checkpoint", os.path.isfile, "a file"),
+        ("fisher_data", os.path.isdir, "a folder of <wnid>/ folders"),
+    ):
+        path, shown = getattr(args, flag), "--" + flag.replace("_", "-")
+        require(path is None or os.path.exists(path), f"{shown} {path} does not exist")
+        require(path is None or fits(path), f"{shown} {path} is not {kind}")
     check_out(args, "results-smoke.jsonl" if args.synthetic else "results.jsonl")
     return args
 
-def _positive(text):
+
+ORDERS = "random, class or dirichlet:ALPHA (ALPHA > 0)"
+
+
+def is_positive(text):
+    """Whether text is a finite number > 0."""
     try:
         return 0 < float(text) < math.inf
     except ValueError:
         return False
 
+
+def parse_hp(items, method):
+    """["e_margin=0.5", ...] -> {"e_margin": 0.5}: known names, finite values in range (a
+    constant of a method of one's own: any finite float)."""
+    hp, own = {}, {*METHODS[method].constants, *METHODS[method].filter_constants}
+    for item in items:
+        name, _, text = item.partition("=")
+        require(
+            name in HP_TYPES or name in own, f"--hp {item}: unknown constant; {', '.join(HP_TYPES)}"
+        )
+        kind, low, high = HP_TYPES.get(name, (float, -math.inf, math.inf))
+        try:
+            hp[name] = kind(text)
+        except ValueError:
+            fail(f"--hp {item}: {text!r} is not a {kind.__name__}")
+        require(math.isfinite(hp[name]), f"--hp {item}: must be finite")
+        require(low < hp[name] < high, f"--hp {item}: must be in ({low:g}, {high:g})")
+    return hp
+
+
 def check_out(args, default):
-    """--out (or default): a regular file, writable, or a new one its folder can hold;
-    /dev/null discards the records (said so)."""
+    """--out (or default): a regular file or a new one its folder can hold; /dev/null
+    discards the records (said so), and keeps nothing to --resume."""
     args.out = args.out or default
     if args.out == os.devnull:
-        require(not getattr(args, "resume", False),
-                f"--resume: --out {os.devnull} keeps nothing to resume")
-        print(f"note: --out {os.devnull}: the records are discarded")
-        return
+        require(not args.resume, f"--resume: --out {os.devnull} keeps nothing to resume")
+        return print(f"note: --out {os.devnull}: the records are discarded")
     folder = os.path.dirname(os.path.abspath(args.out))
     require(not os.path.isdir(args.out), f"--out {args.out} is a folder")
-    require(not os.path.exists(args.out) or os.path.isfile(args.out),
-            f"--out {args.out} is not a regular file (a FIFO, a device?)")
+    require(
+        not os.path.exists(args.out) or os.path.isfile(args.out),
+        f"--out {args.out} is not a regular file (a FIFO, a device?)",
+    )
     require(os.path.isdir(folder), f"--out {args.out}: its folder does not exist")
-    require(os.access(args.out if os.path.exists(args.out) else folder, os.W_OK),
-            f"--out {args.out} is not writable")
+    require(
+        os.access(args.out if os.path.exists(args.out) else folder, os.W_OK),
+        f"--out {args.out} is not writable",
+    )
+
 
 def check_model(name):
-    """A timm name, with a pretrained tag that timm knows if it has one."""
+    """A timm name, with a pretrained tag timm knows if it has one."""
     require(timm.is_model(name), f"unknown timm model {name!r}")
     try:
         timm.models.get_pretrained_cfg(name)
     except RuntimeError as e:
         fail(f"{e}; tags: {', '.join(timm.list_pretrained(name.split('.')[0] + '.*'))}")
+
+
+def check_batchnorm(model, name, method, bn):
+    """Per-sample gradients (dp_, --clip) need BatchNorm frozen; said in the CLI's words."""
+    has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
+    require(
+        not has_bn or bn == "source",
+        f"{name} has BatchNorm, which normalizes with the test batch and so mixes its samples: {method} needs per-sample gradients; --bn source freezes it at its source statistics",
+    )
+
 
 def open_folder(folder):
     """A WnidFolder, or one line and exit 2 (missing, empty, not wnids)."""
@@ -1194,32 +1688,27 @@ def open_folder(folder):
     try:
         return WnidFolder(folder)
     except (OSError, ValueError) as e:
-        fail(f"{folder}: {one_line(e)}; {LAYOUT}")  # the error names the file, not the layout
+        fail(f"{folder}: {one_line(e)}; {LAYOUT}")
+
 
 def open_streams(corruptions, root, severity):
-    """{corruption: WnidFolder}, all scanned before the first image."""
-    return {c: open_folder(os.path.join(root, c, str(severity)) if c != "imagenet_r" else root)
-            for c in corruptions}
+    """{corruption: WnidFolder}, every folder listed and checked before the first image."""
+    folders = {c: os.path.join(root, c, str(severity)) for c in corruptions}
+    return {c: open_folder(root if c == "imagenet_r" else f) for c, f in folders.items()}
 
-def check_batchnorm(model, name, method, bn):
-    """Per-sample gradients (dp_, --clip) need BatchNorm frozen: in the CLI's words."""
-    has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
-    require(not has_bn or bn == "source",
-            f"{name} has BatchNorm, which normalizes with the test batch and so mixes its "
-            f"samples: {method} needs per-sample gradients; --bn source freezes it at its "
-            "source statistics (a per-sample map)")
 
 def build_model(name, checkpoint=None, random_weights=False, seed=0):
-    """A timm model: pretrained, from a local checkpoint, or random (seeded: a smoke run's
-    rerun or resume sees the same weights)."""
+    """A timm model: pretrained, from a local checkpoint, or random (from the seed: a smoke
+    run's rerun and resume see the same weights)."""
     torch.manual_seed(seed)
     try:
         model = timm.create_model(name, pretrained=not (random_weights or checkpoint))
     except Exception as e:  # no network, no cache, ...
         cfg = timm.models.get_pretrained_cfg(name)
         where = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or name
-        fail(f"cannot load {name}'s weights ({where}): {one_line(e)}; offline: pass "
-             "--checkpoint PATH, or HF_HUB_OFFLINE=1 for a local cache")
+        fail(
+            f"cannot load {name}'s weights ({where}): {one_line(e)}; offline: pass --checkpoint PATH, or HF_HUB_OFFLINE=1 for a local cache"
+        )
     if checkpoint:
         try:
             timm.models.load_checkpoint(model, checkpoint)
@@ -1227,25 +1716,31 @@ def build_model(name, checkpoint=None, random_weights=False, seed=0):
             fail(f"--checkpoint {checkpoint} does not fit {name}: {one_line(e)}")
     return model
 
+
+# ----------------------------------------------------------------------------
+# Records: whole lines of standard JSON, appended; a run's state, saved after each stream
 def run_key(args):
-    """All that changes a result (the seed too; --summarize drops it)."""
-    names = ("method eps delta privacy_unit clip lr hp batch_size setting order repeat "
-             "accumulate dataset severity corruptions model bn seed noise_seed limit")
+    """Everything that changes a result (the seed too: --summarize groups seeds)."""
+    names = (
+        "method eps delta privacy_unit clip lr hp batch_size setting order repeat "
+        "accumulate dataset severity corruptions model bn seed noise_seed limit dtype"
+    )
     key = {k: getattr(args, k) for k in names.split()}
     if args.synthetic:
-        key.update(weights="random", data=f"synthetic:{args.synthetic}")
+        key["weights"], key["data"] = "random", f"synthetic:{args.synthetic}"
     else:
-        key.update(weights="pretrained", data=os.path.abspath(args.data))
+        key["weights"], key["data"] = "pretrained", os.path.abspath(args.data)
     if args.checkpoint:
         st = os.stat(args.checkpoint)
-        key["weights"] = dict(checkpoint=os.path.abspath(args.checkpoint), bytes=st.st_size,
-                              mtime=int(st.st_mtime))
-    key.update(fisher_data=args.fisher_data and os.path.abspath(args.fisher_data),
-               dtype=args.dtype)
-    return json.loads(json.dumps(jsonable(key)))  # as read back: lists, not tuples
+        key["weights"] = dict(
+            checkpoint=os.path.abspath(args.checkpoint), bytes=st.st_size, mtime=int(st.st_mtime)
+        )
+    key["fisher_data"] = args.fisher_data and os.path.abspath(args.fisher_data)
+    return json.loads(json.dumps(jsonable(key)))  # as it reads back: lists, not tuples
+
 
 def jsonable(x):
-    """x with non-finite floats as "inf", "-inf", "nan" (JSON has none)."""
+    """x with its non-finite floats as "inf", "-inf" and "nan" (JSON has none; float() reads them)."""
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
@@ -1254,39 +1749,35 @@ def jsonable(x):
         return [jsonable(v) for v in x]
     return x
 
+
 def read_jsonl(path, flag):
     """[(line number, record)] of a JSONL file. A damaged line (a record cut by a crash or a
     full disk, NUL bytes) is skipped and named; a file with no record is refused as not a
-    JSONL file unless every line of it starts like one ({, UTF-8)."""
+    JSONL file, unless every line of it starts like a record."""
     require(os.path.isfile(path), f"{flag} {path} does not exist or is not a regular file")
     records, damaged, foreign = [], [], False
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             line = raw.strip(b" \t\r\n\x00")
-            if not line:
-                continue
             try:
-                record = json.loads(line)
-            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                record = json.loads(line) if line else {}
+            except ValueError:  # a JSONDecodeError or a UnicodeDecodeError
                 record = None
-            if isinstance(record, dict):
+            if isinstance(record, dict) and line:
                 records.append((n, record))
-                continue
-            damaged.append(n)
-            try:
-                text = line.decode()
-            except UnicodeDecodeError:
-                text = ""
-            if not text.startswith("{"):  # not a cut record: binary, or another format
-                foreign = True
+            elif line:
+                damaged.append(n)
+                foreign = foreign or not line.startswith(b"{")
     require(records or not foreign, f"{path} has no JSON line: not a JSONL file?")
     if damaged:
-        lines = ", ".join(map(str, damaged[:5])) + ", ..." * (len(damaged) > 5)
-        warn(f"{path}: skipped {len(damaged)} damaged line(s) ({lines})")
+        shown = ", ".join(map(str, damaged[:5])) + ", ..." * (len(damaged) > 5)
+        warn(f"{path}: skipped {len(damaged)} damaged line(s) ({shown})")
     return records
 
+
 def append_jsonl(path, record):
-    """Appends one whole JSON line (ending an unended last one); failing: prints it, exit 4."""
+    """Appends one whole line (after closing a last line a crash left unended), written by
+    O_APPEND so that lines never interleave; failing (a full disk): prints it, exit 4."""
     text = json.dumps(jsonable(record), allow_nan=False)
     line = (text + "\n").encode()
     try:
@@ -1295,96 +1786,177 @@ def append_jsonl(path, record):
             end = os.fstat(fd).st_size
             if end and os.pread(fd, 1, end - 1) != b"\n":
                 line = b"\n" + line
-            # O_APPEND: lines never interleave; a short write goes on
-            while line:
-                line = line[os.write(fd, line):]
+            while line:  # a short write goes on
+                line = line[os.write(fd, line) :]
         finally:
             os.close(fd)
     except OSError as e:
         print(text, flush=True)
         fail(f"cannot write {path} ({e.strerror}); the record is above", 4)
 
-def privacy_ledger(a, streams, rounds=1, privacy_unit="image"):
-    """What adapter a promises, to whom, in numbers. A step (its `releases` of σ_l each) is
+
+def save_state(path, state):
+    """torch.save to a file only its owner reads (it holds the noise generator: as secret as
+    the data), then a rename: a kill leaves the old state or the new one."""
+    if path is None:  # --out /dev/null: nothing to resume
+        return
+    try:
+        with os.fdopen(
+            os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb"
+        ) as f:
+            torch.save(state, f)
+        os.replace(path + ".tmp", path)
+    except (OSError, RuntimeError) as e:  # torch.save's full disk is a RuntimeError
+        if os.path.exists(path + ".tmp"):
+            os.remove(path + ".tmp")
+        warn(f"cannot save {path} ({one_line(e)}): --resume will refuse to go on")
+
+
+# ----------------------------------------------------------------------------
+# The privacy ledger and the header
+def privacy_ledger(adapter, streams, rounds, privacy_unit):
+    """What the adapter promises, to whom, in numbers. A step (its `releases`, σ_l each) is
     μ-GDP with μ = 2/σ, σ = σ_l/√releases; a test image is in `rounds` steps (--repeat), a
-    photo in streams·rounds: μ√k over k steps (Dong, Roth & Su, Cor. 3.3)."""
-    if not a.private:
-        return dict(private=False, clip=a.clip)
-    if a.sigma == 0:
-        return dict(private=False, clip_only=True, note="clip only, not private",
-                    eps=a.eps, clip=a.clip)
-    sigma, k, d = a.sigma / math.sqrt(a.releases), streams * rounds, a.delta
+    photo in streams × rounds; k steps are μ√k-GDP (Dong, Roth & Su, Cor. 3.3)."""
+    if not adapter.method.private:
+        return dict(private=False, clip=adapter.clip)
+    if adapter.sigma == 0:
+        return dict(
+            private=False,
+            clip_only=True,
+            note="clip only, not private",
+            eps=adapter.eps,
+            clip=adapter.clip,
+        )
+    sigma, delta, k = adapter.sigma / math.sqrt(adapter.releases), adapter.delta, streams * rounds
     unit = f"one test image, replace-one neighbours, in {rounds} step(s)"
     if privacy_unit == "photo":
         unit = f"one photo, replace-one neighbours, in its {streams} stream(s) x {rounds} round(s)"
-    ledger = dict(
-        private=True, eps=a.eps, delta=d, privacy_unit=privacy_unit, unit=unit, clip=a.clip,
-        sigma=sigma, releases=a.releases, sigma_per_release=a.sigma, rounds=rounds,
-        streams=streams, mu_per_step=2 / sigma, mu_per_test_image=2 * math.sqrt(rounds) / sigma,
-        eps_per_test_image=gdp_epsilon(sigma=sigma / math.sqrt(rounds), delta=d),
-        mu_per_photo=2 * math.sqrt(k) / sigma,
-        eps_per_photo=gdp_epsilon(sigma=sigma / math.sqrt(k), delta=d), noise="secret")
-    if a.noise_seed is not None:
-        ledger.update(noise="replayed", noise_seed=a.noise_seed,
-                      note=f"not private against anyone who knows noise seed {a.noise_seed}")
+    ledger = dict(private=True, eps=adapter.eps, delta=delta, privacy_unit=privacy_unit, unit=unit)
+    ledger.update(
+        clip=adapter.clip, sigma=sigma, releases=adapter.releases, sigma_per_release=adapter.sigma
+    )
+    for per, steps in (("step", 1), ("test_image", rounds), ("photo", k)):
+        ledger[f"mu_per_{per}"] = 2 * math.sqrt(steps) / sigma
+        ledger[f"eps_per_{per}"] = gdp_epsilon(sigma=sigma / math.sqrt(steps), delta=delta)
+    ledger.update(rounds=rounds, streams=streams, noise="secret")
+    if adapter.noise_seed is not None:
+        note = f"not private against anyone who knows noise seed {adapter.noise_seed}"
+        ledger.update(noise="replayed", noise_seed=adapter.noise_seed, note=note)
     return ledger
 
-def wild(settings):
-    """Settings unlike the paper's, as " | order class | repeat 3"."""
-    plain = dict(order="random", repeat=1, accumulate=1)
-    return "".join(f" | {k} {settings.get(k, v)}" for k, v in plain.items()
-                   if settings.get(k, v) != v)
 
-def print_header(args, a, ledger, device, hp_note):
-    where = device.type
-    if device.type == "cuda":
-        where += f" ({torch.cuda.get_device_name(device)})"
+def wild(settings):
+    """The settings unlike the paper's, as " | order class | repeat 3"."""
+    plain = dict(order="random", repeat=1, accumulate=1)
+    return "".join(
+        f" | {k} {settings.get(k, v)}" for k, v in plain.items() if settings.get(k, v) != v
+    )
+
+
+def print_header(args, adapter, ledger, hp_note):
+    """The run's header: what runs where, its data, its privacy ledger and its θ."""
+    where = args.device
+    if args.device == "cuda":
+        where += f" ({torch.cuda.get_device_name()})"
     print(f"dptta | {args.method} | {args.model} | {where} | {args.dtype}")
     if args.synthetic:
-        print(f"SMOKE RUN: {args.synthetic} random images per corruption, "
-              f"{'checkpoint' if args.checkpoint else 'random'} weights: accuracy is chance")
-    print(f"data: {args.data} | {args.dataset} severity {args.severity} | "
-          f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | "
-          f"seed {args.seed}{wild(vars(args))}")
-    clip = f"C = {a.clip:g} [{hp_note['clip']}]" if a.clip else ""
-    released = "adapted θ and every prediction"
-    if args.method == "dp_norm":  # L releases per image: σ_l = √L·σ each
-        clip = (f"L = {a.releases} BN layers, each σ_l = √L·σ = {a.sigma:.4f}, "
-                f"moments clipped to {a.hp['bn_scale']:g}·√(2·channels)")
-        released = f"the {a.releases} layers' BatchNorm statistics and every prediction"
+        weights = "checkpoint" if args.checkpoint else "random"
+        print(
+            f"SMOKE RUN: {args.synthetic} random images per corruption, {weights} weights: accuracy is chance"
+        )
+    print(
+        f"data: {args.data} | {args.dataset} severity {args.severity} | {len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | seed {args.seed}{wild(vars(args))}"
+    )
+    what = f"C = {adapter.clip:g} [{hp_note['clip']}]" if adapter.clip else ""
+    released = "adapted θ"
+    if isinstance(adapter, DPNorm) and adapter.method.private:  # σ_l = √L·σ each
+        what = f"L = {adapter.releases} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}, moments clipped to {adapter.hp['bn_scale']:g}·√(2·channels)"
+        released = f"the {adapter.releases} layers' BatchNorm statistics"
     if ledger["private"]:
-        print("privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step "
-              "(μ = 2/σ = {mu_per_step:.4f}-GDP), {what}".format(**ledger, what=clip))
-        print("  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = "
-              "{eps_per_test_image:.3g} | per photo ({streams} stream(s) x {rounds} round(s)): "
-              "μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}".format(**ledger))
-        print(f"  unit: {ledger['unit']}; released: {released} for other images")
+        print(
+            "privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step (μ = 2/σ = {mu_per_step:.4f}-GDP), {what}".format(
+                **ledger, what=what
+            )
+        )
+        print(
+            "  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = {eps_per_test_image:.3g} | per photo ({streams} stream(s) x {rounds} round(s)): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}".format(
+                **ledger
+            )
+        )
+        print(
+            f"  unit: {ledger['unit']}; released: {released} and every prediction for other images"
+        )
         if ledger["noise"] == "secret":
-            print("  noise: secret, from OS entropy (the state file holds its generator: keep it "
-                  "as private as the data)")
+            print(
+                "  noise: secret, from OS entropy (the state file holds its generator: keep it as private as the data)"
+            )
         else:
-            print(f"  noise: NOT SECRET: replayed from --noise-seed {a.noise_seed}; "
-                  f"{ledger['note']}")
+            print(
+                f"  noise: NOT SECRET: replayed from --noise-seed {adapter.noise_seed}; {ledger['note']}"
+            )
     elif ledger.get("clip_only"):
-        print(f"privacy: NONE: clip only (eps = inf), not private; {clip}")
+        print(f"privacy: NONE: clip only (eps = inf), not private; {what}")
     elif args.method != "source":
-        print(f"not private; {'per-sample clip ' + clip if clip else 'no clipping'}")
-    if a.params:
-        n = sum(p.numel() for p in a.params.values())
-        hp = "".join(f" | {k}={v:g}" for k, v in args.hp.items())
-        print(f"lr {a.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting "
-              f"{len(a.params)} tensors, {n:,} scalars{hp}")
+        print(f"not private; {'per-sample clip ' + what if what else 'no clipping'}")
+    if adapter.params:
+        n, hp = (
+            sum(p.numel() for p in adapter.params.values()),
+            "".join(f" | {k}={v:g}" for k, v in args.hp.items()),
+        )
+        print(
+            f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting {len(adapter.params)} tensors, {n:,} scalars{hp}"
+        )
     if ledger.get("bn") == "private statistics":
-        print(f"BatchNorm: private statistics in {a.releases} layer(s), the others frozen")
+        print(f"BatchNorm: private statistics in {adapter.releases} layer(s), the others frozen")
     elif "bn" in ledger:
-        print(f"BatchNorm: {a.bn} (train: the test batch's statistics; source: frozen)")
+        print(f"BatchNorm: {adapter.bn} (train: the test batch's statistics; source: frozen)")
 
-def _stop(signum, frame):
-    STOP.append(signum)
-    raise KeyboardInterrupt
+
+def print_norm_noise(adapter, batch_size):
+    """dp_norm's noise, known before the first image: per release τ = σ_l·c/B, and of the
+    long average; a warning where it exceeds what the average can carry in every layer."""
+    release, average = [], []
+    for mean, _ in adapter.bn_src.values():
+        tau2 = release_noise(
+            adapter.sigma, adapter.hp["bn_scale"] * math.sqrt(2 * len(mean)), batch_size
+        )
+        gain = norm_gain(tau2)
+        release.append(math.sqrt(tau2))
+        average.append(math.sqrt(tau2 * gain / (2 - gain)))
+    print(
+        f"DP-Norm noise per coordinate (z units): per release {min(release):.3g}-{max(release):.3g}, of the average {min(average):.3g}-{max(average):.3g}; shifts below it stay at the source's statistics"
+    )
+    if min(average) > NORM_HOPELESS:
+        warn(
+            f"dp_norm's averaged statistics carry noise of at least {min(average):.3g} per coordinate in every layer: it will stay near the source statistics (larger batches, a larger ε or fewer --hp bn_layers help)"
+        )
+
+
+# ----------------------------------------------------------------------------
+# main: the stream, corruption by corruption
+def stop_unless_finite(adapter, where, *tensors):
+    """θ and the tensors (logits) are finite (one device sync), or exit 3: NaN logits would
+    predict class 0 and be scored."""
+    checks = [torch.isfinite(t.detach()).all() for t in (*adapter.params.values(), *tensors)]
+    if checks and not torch.stack(checks).all():
+        fail(
+            f"θ or the logits are not finite after {where} (lr or clip too large?); stopped, no record of this corruption or run",
+            3,
+        )
+
+
+def autocast(args):
+    """bf16 autocast on CUDA; the clip, the noise and the step stay in fp32."""
+    return torch.autocast(args.device, torch.bfloat16, enabled=args.dtype == "bf16")
+
+
+def rate(n, seconds):
+    return f"{n / max(seconds, 1e-9):.3g} img/s"
+
 
 def progress(loader, what):
-    """The loader's batches, with a line at least once a minute (--log-every is per stream)."""
+    """The loader's batches, and a progress line at least every PROGRESS_SECONDS."""
     t0 = last = time.time()
     images = 0
     for batch in loader:
@@ -1392,61 +1964,70 @@ def progress(loader, what):
         images += len(batch[2]) if batch[0] is None else len(batch[0])
         if time.time() - last > PROGRESS_SECONDS:
             last = time.time()
-            print(f"  {what}: {images}/{len(loader.dataset)} images, {rate(images, last - t0)}",
-                  flush=True)
+            print(
+                f"  {what}: {images}/{len(loader.dataset)} images, {rate(images, last - t0)}",
+                flush=True,
+            )
 
-def rate(n, seconds):
-    return f"{n / max(seconds, 1e-9):.3g} img/s"
 
-def stop_unless_finite(a, where, *tensors):
-    """Adapter a's θ and the tensors (logits) are finite (one sync), or exit 3."""
-    tensors = (*a.params.values(), *tensors)
-    checks = [torch.isfinite(t.detach()).all() for t in tensors]
-    if checks and not torch.stack(checks).all():
-        fail(f"θ or the logits are not finite after {where} (lr or clip too large?); "
-             "stopped, no record of this corruption or run", 3)
-
-def autocast(args):  # bf16 on CUDA (clip, noise and step stay fp32)
-    return torch.autocast(args.device, torch.bfloat16, enabled=args.dtype == "bf16")
-
-def stream_through(a, loader, c, *, args, lookup, groups=1):
-    """Adapter a on loader: (correct, scored) per group (mixed: by label), unreadable."""
-    device = args.device
-    correct, scored = torch.zeros(2, groups, dtype=torch.long, device=device)
+def stream_through(adapter, loader, label, *, args, lookup, groups=1):
+    """The adapter on one stream: (correct, scored) per group (mixed: per corruption), and
+    the unreadable images' paths."""
+    correct, scored = torch.zeros(2, groups, dtype=torch.long, device=args.device)
     unreadable, t0 = [], time.time()
     last = t0
     for i, (x, y, bad) in enumerate(loader):
-        # a signal that a DataLoader worker swallowed: stop all the same
-        if STOP:
+        if STOP:  # a signal a DataLoader worker swallowed stops the run all the same
             raise KeyboardInterrupt
         for path in bad:
             print(f"  unreadable, skipped: {path}", flush=True)
         unreadable += bad
         if x is None:
             continue
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        # ImageNet-1k index -> index among those scored
-        if lookup is not None:
+        x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
+        if lookup is not None:  # ImageNet-1k index -> its index among the classes scored
             y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
         group = torch.where(y >= 0, y // Mixed.TAG, 0)
-        y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1): never scored
+        y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1) are never scored
         with autocast(args):
-            logits = a(x)
-        # NaN logits would predict class 0
-        stop_unless_finite(a, f"batch {i + 1} of {c}", logits)
+            logits = adapter(x)
+        stop_unless_finite(adapter, f"batch {i + 1} of {label}", logits)
         correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
         scored += torch.bincount(group[y >= 0], minlength=groups)
-        # progress every --log-every batches, and at least once a minute
         if (i + 1) % args.log_every == 0 or time.time() - last > PROGRESS_SECONDS:
-            last, seen, hits = time.time(), scored.sum().item(), correct.sum().item()
-            top1 = 100 * hits / max(seen, 1)
-            print(f"  {c} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% "
-                  f"{rate(seen, time.time() - t0)}", flush=True)
+            last, seen = time.time(), scored.sum().item()
+            top1 = 100 * correct.sum().item() / max(seen, 1)
+            print(
+                f"  {label} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% {rate(seen, last - t0)}",
+                flush=True,
+            )
     with autocast(args):
-        # the last, partial accumulate window steps too
-        a.flush()
-    stop_unless_finite(a, f"the last step of {c}")
+        adapter.flush()  # the last, partial accumulate window steps too
+    stop_unless_finite(adapter, f"the last step of {label}")
     return correct.tolist(), scored.tolist(), unreadable
+
+
+def drift_of(adapter):
+    """How far adaptation has moved, public (a function of the releases): ‖θ − θ0‖, or
+    dp_norm's statistics' distance from the source's in z units; None for no state."""
+    if adapter.bn_src:
+        total = 0.0
+        for name, (mean, _) in adapter.bn_src.items():
+            if name in adapter.state:
+                a, ratio = estimated(adapter.state[name], len(mean))
+                total += a.pow(2).sum().item() + (ratio - 1).pow(2).sum().item()
+        return math.sqrt(total)
+    if not adapter.params:
+        return None
+    return math.sqrt(
+        sum((p.detach() - adapter.theta0[n]).pow(2).sum().item() for n, p in adapter.params.items())
+    )
+
+
+def _stop(signum, frame):
+    STOP.append(signum)
+    raise KeyboardInterrupt
+
 
 def main(argv=None):
     args = parse_args(argv)
@@ -1458,15 +2039,19 @@ def main(argv=None):
     if args.audit:
         return audit_cli(args)
     check_args(args)
-    device = torch.device(args.device)
-    tuned_on = {"mixed": "continual"}.get(args.setting, args.setting)
+    tuned_on = "continual" if args.setting == "mixed" else args.setting
     C, lr, source = paper_hparams(args.method, args.eps, tuned_on, args.clip)
     hp_note = {k: "given" if getattr(args, k) else source for k in ("clip", "lr")}
     args.clip, args.lr = args.clip or C, args.lr or lr
+    gradient = METHODS[args.method].step in ("plain", "sam")
+    require(args.lr or not gradient, f"{args.method}: {source}; pass --lr (and --clip for dp_)")
+    require(
+        args.clip or not METHODS[args.method].private or not gradient,
+        f"{args.method}: {source}; pass --clip",
+    )
     key = run_key(args)
     run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
-    # the run's state after each corruption (its noise generator too: as secret as the data);
-    # /dev/null keeps nothing
+    # the run's state after each stream holds the noise generator: as secret as the data
     state = None if args.out == os.devnull else f"{args.out}.{run_hash}.pt"
     mine = []  # this run's records already in --out
     if args.resume and os.path.exists(args.out):
@@ -1477,129 +2062,154 @@ def main(argv=None):
             os.remove(state)
         return 0
     resume = None
-    if state and os.path.exists(state) and args.resume:
+    both = "rerun without --resume for a new run (both runs' releases count)"
+    if args.resume and state and os.path.exists(state):
         try:  # a killed run's state
-            resume = torch.load(state, map_location=device, weights_only=False)
+            resume = torch.load(state, map_location=args.device, weights_only=False)
         except Exception as e:
-            fail(f"{state} is damaged ({one_line(e)}): its run cannot go on, and starting it "
-                 "afresh would release its images again; remove the file and rerun without "
-                 "--resume for a new run (both runs' releases count)")
+            fail(
+                f"{state} is damaged ({one_line(e)}): its run cannot go on, and starting it afresh would release its images again; remove it and {both}"
+            )
     elif any(r.get("mode") == "corruption" for r in mine):
-        fail(f"--resume: {args.out} holds corruption records of this run but not its state "
-             f"({state}): it cannot go on without releasing their images again; rerun without "
-             "--resume for a new run (both runs' releases count)")
+        fail(
+            f"--resume: {args.out} holds corruption records of this run but not its state ({state}): it cannot go on without releasing their images again; {both}"
+        )
     handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     STOP.clear()
     try:
-        # the temporary tree goes on every exit path
-        with contextlib.ExitStack() as cleanup:
+        with contextlib.ExitStack() as cleanup:  # the smoke run's tree goes on every exit path
             if args.synthetic:
-                tree = tempfile.TemporaryDirectory(prefix="dptta-synthetic-")
-                args.data = cleanup.enter_context(tree)
+                args.data = cleanup.enter_context(
+                    tempfile.TemporaryDirectory(prefix="dptta-synthetic-")
+                )
                 make_synthetic_tree(args.data, args.corruptions, args.severity, args.synthetic)
-            return adapt_and_record(args, key, device, hp_note, state, resume, mine)
+            return adapt_and_record(args, key, hp_note, state, resume, mine)
     except SystemExit as e:
         if e.code == 3 and state and os.path.exists(state):  # diverged: nothing to resume
             os.remove(state)
         raise
     except KeyboardInterrupt:
         signum = (STOP or [signal.SIGINT])[0]
-        print(f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are "
-              f"in {args.out}, no final record (--resume goes on)", file=sys.stderr)
+        print(
+            f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are in {args.out}, no final record (--resume goes on)",
+            file=sys.stderr,
+        )
         return 128 + signum
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
 
-def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
-    """Opens every input, then adapts; records and saves after each stream."""
+
+def open_run(args):
+    """Every input opened and checked before the first image: (streams, Fisher loader,
+    model, its data config, the scored classes' lookup)."""
     streams = open_streams(args.corruptions, args.data, args.severity)
-    fisher_set = args.fisher_data and open_folder(args.fisher_data)
-    fisher_size, fisher_loader = args.hp.get("fisher_size", 2000), None
-    if fisher_set:  # the images the Fisher pass reads, checked before the first image
-        fisher_loader = image_stream(fisher_set, args.batch_size, seed=args.seed,
-                                     workers=args.workers, limit=fisher_size)
+    fisher_loader = None
+    if args.fisher_data:  # the images the Fisher pass reads, checked before the first image
+        fisher_set, size = open_folder(args.fisher_data), args.hp.get("fisher_size", 2000)
+        fisher_loader = image_stream(
+            fisher_set, args.batch_size, seed=args.seed, workers=args.workers, limit=size
+        )
         check_public(fisher_set, streams, fisher_loader.dataset.indices)
         if args.privacy_unit == "photo":
-            warn("--fisher-data under --privacy-unit photo: its images must not be photos the "
-                 "streams are made of (ImageNet val is where ImageNet-C's come from)")
+            warn(
+                "--fisher-data under --privacy-unit photo: its images must not be photos the streams are made of (ImageNet-C's come from ImageNet val)"
+            )
     model = build_model(args.model, args.checkpoint, bool(args.synthetic), args.seed)
-    data_config = timm.data.resolve_data_config({}, model=model)
-    transform = timm.data.create_transform(**data_config)
-    for ds in filter(None, [*streams.values(), fisher_set]):
+    config = timm.data.resolve_data_config({}, model=model)
+    transform = timm.data.create_transform(**config)
+    for ds in list(streams.values()) + ([fisher_loader.dataset.dataset] if fisher_loader else []):
         ds.transform = transform
-    hp, side = dict(args.hp), min(data_config["input_size"][1:])
-    require(hp.get("patch_grid", 1) <= side,
-            f"--hp patch_grid={hp.get('patch_grid')}: more patches than {side} pixels")
+    side = min(config["input_size"][1:])
+    require(
+        args.hp.get("patch_grid", 1) <= side,
+        f"--hp patch_grid={args.hp.get('patch_grid')}: more patches than {side} pixels",
+    )
     has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
     require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm")
-    per_sample = args.clip is not None and args.method not in ("source", "norm", "dp_norm")
-    if per_sample:
+    if args.clip is not None and METHODS[args.method].step in ("plain", "sam"):
         check_batchnorm(model, args.model, args.method, args.bn)
     lookup, logits = None, getattr(model, "num_classes", 0)
-    # ImageNet-R: the 1000-way head read at the classes present
-    if args.dataset == "imagenet_r":
+    if args.dataset == "imagenet_r":  # the 1000-way head read at the classes present
         classes = sorted(set(streams["imagenet_r"].imagenet_index))
-        scored = torch.as_tensor(classes, device=device)
+        scored = torch.as_tensor(classes, device=args.device)
         model.register_forward_hook(lambda m, x, out: out[:, scored])
-        lookup, logits = torch.full((1000,), -1, device=device), len(classes)
-        lookup[classes] = torch.arange(len(classes), device=device)
-    require(hp.get("num_classes", logits) >= logits,
-            f"--hp num_classes={hp.get('num_classes')} is below the model's {logits} logits")
-    model = model.to(device)
-    # conv trunks like channels_last
-    if device.type == "cuda" and not hasattr(model, "blocks"):
+        lookup, logits = torch.full((1000,), -1, device=args.device), len(classes)
+        lookup[classes] = torch.arange(len(classes), device=args.device)
+    require(
+        args.hp.get("num_classes", logits) >= logits,
+        f"--hp num_classes={args.hp.get('num_classes')} is below the model's {logits} logits",
+    )
+    model = model.to(args.device)
+    if args.device == "cuda" and not hasattr(model, "blocks"):  # conv trunks like channels_last
         model = model.to(memory_format=torch.channels_last)
-    hp.pop("fisher_size", None)
+    return streams, fisher_loader, model, config, lookup
+
+
+def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
+    """Opens every input, then adapts: records and saves after each stream, then the run."""
+    streams, fisher_loader, model, config, lookup = open_run(args)
+    hp = {k: v for k, v in args.hp.items() if k != "fisher_size"}
     photo = len(streams) if args.privacy_unit == "photo" else 1
     adapter = or_fail(
-        DPTTA, model, args.method, eps=args.eps, delta=args.delta or 1e-6, clip=args.clip,
-        lr=args.lr, privacy_unit=args.privacy_unit, repeats=args.repeat * photo,
-        seed=args.seed, noise_seed=args.noise_seed, bn=args.bn or "train",
-        accumulate=args.accumulate, **hp)
+        DPTTA,
+        model,
+        args.method,
+        eps=args.eps,
+        delta=args.delta or 1e-6,
+        clip=args.clip,
+        lr=args.lr,
+        repeats=args.repeat * photo,
+        seed=args.seed,
+        noise_seed=args.noise_seed,
+        bn=args.bn or "train",
+        accumulate=args.accumulate,
+        **hp,
+    )
     if adapter.bn_src:  # dp_norm: one release per layer, refused before the first image
-        size = data_config["input_size"]
-        or_fail(adapter.check_releases, torch.zeros(1, *size, device=device))
+        or_fail(adapter.check_releases, torch.zeros(1, *config["input_size"], device=args.device))
     if fisher_loader is not None:
-        print(f"EATA's Fisher information on {len(fisher_loader.dataset)} clean images ...",
-              flush=True)
-        clean = (x.to(device) for x, _, _ in progress(fisher_loader, "Fisher") if x is not None)
+        print(
+            f"EATA's Fisher information on {len(fisher_loader.dataset)} clean images ...",
+            flush=True,
+        )
+        clean = (
+            x.to(args.device) for x, _, _ in progress(fisher_loader, "Fisher") if x is not None
+        )
         with autocast(args):
-            adapter.fisher = fisher_information(model, adapter.params, clean, fisher_size)
-    elif adapter.base == "eata":
+            adapter.hp["fisher"] = fisher_information(
+                model, adapter.params, clean, len(fisher_loader.dataset)
+            )
+    elif "fisher" in adapter.hp:
         warn(f"{args.method} without --fisher-data: no anti-forgetting penalty")
     ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat, args.privacy_unit)
-    if has_bn:  # what BatchNorm normalized with
+    if any(isinstance(m, BATCH_NORM) for m in model.modules()):  # what BatchNorm normalized with
         ledger["bn"] = "private statistics" if adapter.bn_src else adapter.bn
-    print_header(args, adapter, ledger, device, hp_note)
+    print_header(args, adapter, ledger, hp_note)
+    if adapter.bn_src and adapter.sigma > 0:
+        print_norm_noise(adapter, args.batch_size * args.accumulate)  # a release's batch
     n = min(min(len(ds) for ds in streams.values()), args.limit or math.inf)
     if ledger["private"] and args.delta >= 1 / n:
-        warn(f"δ = {args.delta:g} is not below 1/n = 1/{n} (n: a stream's images), "
-             "the usual rule")
-    # a run's units: each corruption (mixed: all at once), each round
-    sources = streams
+        warn(f"δ = {args.delta:g} is not below 1/n = 1/{n} (n: a stream's images), the usual rule")
+    sources = streams  # a run's units: each stream (mixed: all at once), each round
     if args.setting == "mixed":
         sources = {"mixed": or_fail(Mixed, streams)}
-    # what a killed run resumes from (with the adapter's state, saved after each corruption)
-    run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)],
-               drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
+    run = dict(
+        key=key,
+        run_id=uuid.uuid4().hex,
+        rounds=[{} for _ in range(args.repeat)],
+        drift={},
+        done=[],
+        records=[],
+        images=0,
+        unreadable=[],
+        wall=0.0,
+    )
     if resume is not None:
-        require(resume["key"] == key, f"{state} belongs to another run; remove it")
-        adapter.set_extra_state(resume.pop("adapter"))
-        run = resume
-        # the state is saved before a corruption's record: a kill between the two left the
-        # record unwritten, and it is written now, once
-        written = [(r.get("corruption"), r.get("round")) for r in mine
-                   if r.get("mode") == "corruption" and r.get("run_id") == run["run_id"]]
-        saved = [(r["corruption"], r["round"]) for r in run["records"]]
-        require(set(written) <= set(saved), f"{state} is older than the records of its run in "
-                f"{args.out} (a state that could not be saved): it cannot go on; rerun without "
-                "--resume for a new run (both runs' releases count)")
-        for record in run["records"]:
-            if (record["corruption"], record["round"]) not in written:
-                append_jsonl(args.out, record)
-        print(f"resumed run {run['run_id']} after {', '.join(run['done'])}")
-    start, drift = time.time() - run["wall"], run["drift"]
+        run = resumed(args, adapter, resume, key, state, mine)
+    start = time.time() - run["wall"]
+    if resume is None:  # a kill in the first stream resumes from here, its noise where it was
+        save_state(state, dict(run, adapter=adapter.get_extra_state()))
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
         label = name if args.repeat == 1 else f"{name}#{r + 1}"
         if label in run["done"]:
@@ -1607,326 +2217,391 @@ def adapt_and_record(args, key, device, hp_note, state, resume=None, mine=()):
         if args.setting == "episodic":
             adapter.reset()
         loader = image_stream(
-            sources[name], args.batch_size, seed=args.seed + r, workers=args.workers,
-            limit=args.limit, order=args.order, pin_memory=device.type == "cuda")
+            sources[name],
+            args.batch_size,
+            seed=args.seed + r,
+            workers=args.workers,
+            limit=args.limit,
+            order=args.order,
+            pin_memory=args.device == "cuda",
+        )
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
         correct, scored, bad = stream_through(
-            adapter, loader, label, args=args, lookup=lookup, groups=len(groups))
+            adapter, loader, label, args=args, lookup=lookup, groups=len(groups)
+        )
         run["images"] += sum(scored)
         run["unreadable"] += bad
-        drift[label] = drift_of(adapter)
+        run["drift"][label] = drift = drift_of(adapter)
+        moved = "" if drift is None else f" | {DRIFT_LABEL[bool(adapter.bn_src)]} {drift:.4f}"
         note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
         records = []
-        for c, hits, n in zip(groups, correct, scored):
-            run["rounds"][r][c] = top1 = 100 * hits / max(n, 1)
-            records.append(dict(
-                mode="corruption", run_id=run["run_id"], key=key, corruption=c, round=r + 1,
-                accuracy=top1, error=100 - top1, images=n, skipped=len(bad),
-                drift=drift.get(label), smoke=bool(args.synthetic)))
-            moved = ""
-            if drift[label] is not None:
-                moved = f" | {DRIFT_LABEL[bool(adapter.bn_src)]} {drift[label]:.4f}"
-            print(f"{c:<18} top-1 {top1:5.1f}% | {n} images | {rate(n, time.time() - t0)}"
-                  f"{moved}{note}", flush=True)
+        for c, hits, images in zip(groups, correct, scored):
+            run["rounds"][r][c] = top1 = 100 * hits / max(images, 1)
+            records.append(
+                dict(
+                    mode="corruption",
+                    run_id=run["run_id"],
+                    key=key,
+                    corruption=c,
+                    round=r + 1,
+                    accuracy=top1,
+                    error=100 - top1,
+                    images=images,
+                    skipped=len(bad),
+                    drift=drift,
+                    smoke=bool(args.synthetic),
+                )
+            )
+            print(
+                f"{c:<18} top-1 {top1:5.1f}% | {images} images | {rate(images, time.time() - t0)}{moved}{note}",
+                flush=True,
+            )
         run["done"].append(label)
         run["records"] += records
-        wall = time.time() - start
-        # the state first, then the records: a kill between them loses nothing (--resume
-        # writes the records it finds in the state) and duplicates nothing
-        save_state(state, dict(run, wall=wall, adapter=adapter.get_extra_state()))
+        # the state first, then the records: a kill between the two loses nothing (--resume
+        # writes the records it finds in the state) and repeats nothing
+        save_state(state, dict(run, wall=time.time() - start, adapter=adapter.get_extra_state()))
         for record in records:
             append_jsonl(args.out, record)
-    # the mean over the rounds; each round's own in the record (the forgetting curve)
+    finish(args, run, streams, adapter, ledger, hp_note, start)
+    if state and os.path.exists(state):
+        os.remove(state)
+    return 0
+
+
+DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}
+
+
+def resumed(args, adapter, resume, key, state, mine):
+    """A killed run's bookkeeping, its adapter where it stood; the records the state holds
+    but the file lacks (a kill between the two) are written now, once."""
+    require(resume["key"] == key, f"{state} belongs to another run; remove it")
+    adapter.set_extra_state(resume.pop("adapter"))
+    written = [
+        (r.get("corruption"), r.get("round"))
+        for r in mine
+        if r.get("mode") == "corruption" and r.get("run_id") == resume["run_id"]
+    ]
+    saved = [(r["corruption"], r["round"]) for r in resume["records"]]
+    require(
+        set(written) <= set(saved),
+        f"{state} is older than the records of its run in {args.out} (a state that could not be saved): it cannot go on; rerun without --resume for a new run (both runs' releases count)",
+    )
+    for record in resume["records"]:
+        if (record["corruption"], record["round"]) not in written:
+            append_jsonl(args.out, record)
+    print(f"resumed run {resume['run_id']} after {', '.join(resume['done'])}")
+    return resume
+
+
+def finish(args, run, streams, adapter, ledger, hp_note, start):
+    """The run's record: each corruption's accuracy (the mean over rounds; each round's own
+    under `rounds`, the forgetting curve), the key, the ledger, the settings."""
     accuracy = {c: float(np.mean([acc[c] for acc in run["rounds"]])) for c in streams}
-    mean = sum(accuracy.values()) / len(accuracy)
-    wall, images = time.time() - start, run["images"]
+    mean, wall, images = sum(accuracy.values()) / len(accuracy), time.time() - start, run["images"]
     record = dict(
-        mode="adapt", run_id=run["run_id"], key=key, settings=dict(vars(args)),
-        method=args.method, eps=args.eps, clip=adapter.clip, lr=adapter.lr, hp=args.hp,
-        setting=args.setting, seed=args.seed, hparam_source=hp_note, ledger=ledger,
-        smoke=bool(args.synthetic), device=args.device, dtype=args.dtype,
+        mode="adapt",
+        run_id=run["run_id"],
+        key=run["key"],
+        settings=dict(vars(args)),
+        method=args.method,
+        eps=args.eps,
+        clip=adapter.clip,
+        lr=adapter.lr,
+        hp=args.hp,
+        setting=args.setting,
+        seed=args.seed,
+        hparam_source=hp_note,
+        ledger=ledger,
+        smoke=bool(args.synthetic),
+        device=args.device,
+        dtype=args.dtype,
         versions={"torch": torch.__version__, "timm": timm.__version__},
-        accuracy=accuracy, error={c: 100 - a for c, a in accuracy.items()}, drift=drift,
-        mean=mean, images=images, skipped=len(run["unreadable"]),
-        unreadable=run["unreadable"], images_per_s=images / wall, wall_s=wall,
-        time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        accuracy=accuracy,
+        error={c: 100 - a for c, a in accuracy.items()},
+        drift=run["drift"],
+        mean=mean,
+        images=images,
+        skipped=len(run["unreadable"]),
+        unreadable=run["unreadable"],
+        images_per_s=images / wall,
+        wall_s=wall,
+        time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
     if args.repeat > 1:
-        record["rounds"] = [dict(accuracy=acc, mean=float(np.mean(list(acc.values()))))
-                            for acc in run["rounds"]]
+        record["rounds"] = [
+            dict(accuracy=acc, mean=float(np.mean(list(acc.values())))) for acc in run["rounds"]
+        ]
         print("per round: " + " | ".join(f"{x['mean']:.1f}" for x in record["rounds"]))
     print("\n" + " | ".join(f"{c[:8]:>8}" for c in accuracy) + " |     mean")
     print(" | ".join(f"{a:8.1f}" for a in accuracy.values()) + f" | {mean:8.1f}")
     if run["unreadable"]:
         print(f"{len(run['unreadable'])} unreadable image(s) skipped in all")
     append_jsonl(args.out, record)
-    if state and os.path.exists(state):
-        os.remove(state)
-    print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | "
-          f"appended to {args.out}")
-    return 0
+    print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | appended to {args.out}")
 
-DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}
-
-def drift_of(adapter):
-    """How far adaptation has moved, public (a function of the releases): ‖θ − θ0‖, or
-    dp_norm's averaged statistics' distance from the source's in z units; None: no state."""
-    if adapter.bn_src:
-        return math.sqrt(sum(m.pow(2).sum().item() + (v - 1).pow(2).sum().item()
-                             for m, v in adapter.bn_ema.values()))
-    if not adapter.params:
-        return None
-    return math.sqrt(sum((p.detach() - adapter.theta0[n]).pow(2).sum().item()
-                         for n, p in adapter.params.items()))
-
-def save_state(path, state):
-    """torch.save, then a rename: a kill leaves the old state or the new."""
-    if path is None:  # --out /dev/null
-        return
-    try:
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-    except (OSError, RuntimeError) as e:  # torch.save's full disk: RuntimeError
-        warn(f"cannot save {path} ({one_line(e)}): --resume will refuse to go on "
-             "(the records go on)")
 
 # ============================================================================
-# Appendix: tools (--summarize, --benchmark, --audit)
+# Appendix: the tools (--summarize, --benchmark, --audit)
 from scipy import stats
 
-# -- --summarize: the paper's tables from a results file ---------------------
+
+# ----------------------------------------------------------------------------
+# --summarize: the paper's tables from a results file
 KEY_FIELDS = "method eps clip seed dataset severity model setting batch_size corruptions".split()
+# what a table's cells differ in: the method, its privacy and hyperparameters, and the seed
+PER_CELL = "method eps delta clip lr hp privacy_unit noise_seed accumulate fisher_data seed".split()
+
 
 def finite_number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
+
 def readable(record):
-    """Whether --summarize can read the record: a run's or a corruption's fields, finite."""
-    key = record.get("key")
-    if not isinstance(key, dict) or not all(k in key for k in KEY_FIELDS):
+    """Whether --summarize can read a record: a run's or a corruption's fields, finite."""
+    key, accuracy = record.get("key"), record.get("accuracy")
+    if not (isinstance(key, dict) and all(k in key for k in KEY_FIELDS)):
         return False
-    if not isinstance(key["corruptions"], list):
-        return False
-    accuracy = record.get("accuracy")
     if record.get("mode") == "corruption":
         return finite_number(accuracy) and isinstance(record.get("corruption"), str)
-    return (finite_number(record.get("mean")) and isinstance(accuracy, dict)
-            and all(finite_number(a) for a in accuracy.values()))
+    numbers = [record.get("mean"), *accuracy.values()] if isinstance(accuracy, dict) else [None]
+    return isinstance(key["corruptions"], list) and all(map(finite_number, numbers))
+
 
 def variant_of(key):
     """A run's column: non-private, clip-only, ε=inf (no noise) or ε=<eps>."""
     if not str(key["method"]).startswith("dp_"):
         return "clip-only" if key["clip"] else "non-private"
     column = f"ε={float(key['eps']):g}"  # "inf" in the file: ε=inf
-    if key.get("privacy_unit", "image") == "photo":
+    if key.get("privacy_unit") == "photo":
         column += " photo"
-    if key.get("noise_seed") is not None:  # never averaged with secret noise
+    if key.get("noise_seed") is not None:  # never averaged with the secret noise's runs
         column += " noise-seed (not private)"
     return column
+
 
 def cell(values, error):
     v = [100 - a for a in values] if error else values
     spread = f" ± {np.std(v, ddof=1):.1f}" if len(v) > 1 else ""
     return f"{np.mean(v):.1f}{spread} (n={len(v)})"
 
+
+def method_rank(label):
+    """The method table's order; a method of the user's own after the built-ins."""
+    name, known = label.split()[0], [m.removeprefix("dp_") for m in METHODS]
+    return (known.index(name) if name in known else len(known), label)
+
+
 def summarize(path, per_corruption=False, error=False):
-    """Methods × variants of complete runs, mean ± std over seeds; the rest apart. One table
-    per setting (what the key holds but the method, its privacy and its hyperparameters),
+    """Methods × variants of the complete runs, mean ± std over seeds; the rest apart. One
+    table per setting (what the key holds but the method, its privacy and hyperparameters),
     one row per method: its non-private, clip-only and ε columns side by side."""
     records, unreadable = [], []
     for n, r in read_jsonl(path, "--summarize"):
-        if r.get("mode") not in ("adapt", "corruption"):
-            continue  # --benchmark's and --audit's records
-        if readable(r):
-            records.append(r)
-        else:
-            unreadable.append(n)
+        if r.get("mode") in ("adapt", "corruption"):  # not --benchmark's or --audit's
+            (records if readable(r) else unreadable).append(r if readable(r) else n)
     if unreadable:
-        warn(f"{path}: skipped {len(unreadable)} record(s) lacking fields or finite numbers "
-             f"(line(s) {', '.join(map(str, unreadable[:5]))})")
+        shown = ", ".join(map(str, unreadable[:5]))
+        warn(
+            f"{path}: skipped {len(unreadable)} record(s) lacking fields or finite numbers (line(s) {shown})"
+        )
     finals = [r for r in records if r["mode"] == "adapt"]
     done = [r["key"] for r in finals]  # a dead run rerun to the end: done
-    # run_id -> the corruption records of a run with no final record
-    unfinished = {}
+    unfinished = {}  # run_id -> the corruption records of a run with no final record
     for r in records:
         if r["mode"] == "corruption" and r["key"] not in done:
             unfinished.setdefault(r.get("run_id"), []).append(r)
     full = [r for r in finals if not r.get("smoke") and r["key"].get("limit") is None]
-    # table -> cell (the key but the seed) -> {seed: latest record}
-    tables, duplicates = {}, 0
-    per_variant = ("method eps delta clip lr hp privacy_unit noise_seed accumulate fisher_data "
-                   "seed").split()
+    tables, duplicates = {}, 0  # table -> cell (the key but the seed) -> {seed: latest record}
     for r in full:
         key, seed = r["key"], r["key"]["seed"]
-        fixed = {k: v for k, v in key.items() if k not in per_variant}
-        table = json.dumps(fixed, sort_keys=True)
-        cell_key = json.dumps(dict(key, seed=None), sort_keys=True)
-        group = tables.setdefault(table, {}).setdefault(cell_key, {})
+        table = json.dumps({k: v for k, v in key.items() if k not in PER_CELL}, sort_keys=True)
+        group = tables.setdefault(table, {}).setdefault(
+            json.dumps(dict(key, seed=None), sort_keys=True), {}
+        )
         duplicates += seed in group
         group[seed] = r
     what = "error %" if error else "top-1 %"
     order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in TUNED_EPS]
     for table, cells in tables.items():
-        k, entries = json.loads(table), []
-        for runs in (list(group.values()) for group in cells.values()):
-            key = runs[0]["key"]
-            entries.append((str(key["method"]).removeprefix("dp_"), variant_of(key), runs))
-        print(f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | "
-              f"batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions | "
-              f"mean {what} over seeds")
+        k, rows = json.loads(table), {}
+        runs_of = [list(group.values()) for group in cells.values()]
+        entries = [(runs[0]["key"], variant_of(runs[0]["key"]), runs) for runs in runs_of]
+        print(
+            f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions | mean {what} over seeds"
+        )
+        for key, variant, runs in entries:
+            label = str(key["method"]).removeprefix("dp_")
+            if sum(e[1] == variant and e[0]["method"] == key["method"] for e in entries) > 1:
+                label += f" C={key['clip']} lr={key.get('lr')} {key.get('hp') or ''}"  # tuning
+            rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
         present = {v for _, v, _ in entries}
         columns = [c for c in order if c in present] + sorted(present - set(order))
-        rows = {}
-        for base, variant, runs in entries:
-            # two settings of a cell (tuning) are told apart
-            label = base
-            if sum(e[:2] == (base, variant) for e in entries) > 1:
-                key = runs[0]["key"]
-                label += f" C={key['clip']} lr={key.get('lr')} {key.get('hp') or ''}"
-            rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
         width = max(22, *(len(v) + 2 for row in rows.values() for v in row.values()))
         print(f"{'method':<14}" + "".join(f"{c:>{width}}" for c in columns))
         for label in sorted(rows, key=method_rank):
-            row = "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns)
-            print(f"{label:<14}{row}")
+            print(f"{label:<14}" + "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns))
         if per_corruption:
             print(f"per corruption, {what}:")
-            for base, variant, runs in entries:
-                per = {c: cell([r["accuracy"][c] for r in runs if c in r["accuracy"]], error)
-                       for c in runs[0]["accuracy"]}
-                print(f"  {base} {variant}: " + " | ".join(f"{c} {v}" for c, v in per.items()))
+            for key, variant, runs in entries:
+                per = {
+                    c: cell([r["accuracy"][c] for r in runs if c in r["accuracy"]], error)
+                    for c in runs[0]["accuracy"]
+                }
+                print(
+                    f"  {key['method']} {variant}: "
+                    + " | ".join(f"{c} {v}" for c, v in per.items())
+                )
     if duplicates:
         print(f"\n{duplicates} record(s) repeat the seed of an earlier one: latest used")
     others = [r for r in finals if r not in full]
     if others:
         print("\nnot in the tables (smoke or --limit runs):")
-        for r in others:
-            key = r["key"]
-            why = "smoke" if r.get("smoke") else f"limit {key.get('limit')}"
-            print(f"  {key['method']} {variant_of(key)} seed {key['seed']} ({why}): "
-                  f"mean {r['mean']:.1f}")
+    for r in others:
+        key = r["key"]
+        why = "smoke" if r.get("smoke") else f"limit {key.get('limit')}"
+        print(
+            f"  {key['method']} {variant_of(key)} seed {key['seed']} ({why}): mean {r['mean']:.1f}"
+        )
     if unfinished:
         print("\nunfinished runs (no final record; finished corruptions only):")
-        for rs in unfinished.values():
-            key = rs[0]["key"]
-            accs = ", ".join(f"{r['corruption']} {r['accuracy']:.1f}" for r in rs)
-            print(f"  {key['method']} eps={key['eps']} seed {key['seed']}: {len(rs)}/"
-                  f"{len(key['corruptions'])} corruptions: {accs}")
+    for rs in unfinished.values():
+        key, shown = rs[0]["key"], ", ".join(f"{r['corruption']} {r['accuracy']:.1f}" for r in rs)
+        print(
+            f"  {key['method']} eps={key['eps']} seed {key['seed']}: {len(rs)}/{len(key['corruptions'])} corruptions: {shown}"
+        )
     if not finals and not unfinished:
         print(f"no adaptation runs in {path}")
     return 0
 
-def method_rank(label):
-    """The method table's order; a method of the user's own after the built-ins."""
-    known = ("source", "norm") + BASES
-    name = label.split()[0]
-    return (known.index(name) if name in known else len(known), label)
 
-# -- --benchmark: the cost of privacy, measured side by side -----------------
-# Every filter open, every sample kept: H <= ln K always, so margins of 1.01·ln K keep all;
-# PLPD >= −1; SAR never resets. For random weights (benchmark) and the audit's canaries.
+# ----------------------------------------------------------------------------
+# --benchmark: the cost of privacy, measured side by side
+# Every filter open, every sample kept (for random weights, and the audit's canaries): H <= ln K
+# always, so margins of 1.01·ln K keep all; PLPD >= −1; SAR never resets.
 WIDE_OPEN = dict(
-    e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
-    reset_ema=-math.inf)
+    e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0, reset_ema=-math.inf
+)
+
 
 def benchmark(args):
-    """A step of every method, non-private, clip-only, DP, side by side."""
+    """A step of every method, non-private, clip-only and DP, timed side by side in
+    interleaved rounds (the machine's drift hits every variant alike); ratio: the variant's
+    step over the plain method's. --accumulate K adds rows of batches of B that step once
+    per K, beside the batch of B·K."""
     check_common(args, "benchmark")
     check_out(args, "results-benchmark.jsonl")
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
+    cuda = args.device == "cuda"
     name = args.model or ("vit_base_patch16_224" if cuda else "vit_small_patch16_224")
-    # acc > 1: rows of batch B that step once per acc batches, beside batch B·acc
     B, acc = args.batch_size or (64 if cuda else 32), args.accumulate
     torch.manual_seed(args.seed)
-    model = timm.create_model(name, pretrained=False).to(device)
+    model = timm.create_model(name, pretrained=False).to(args.device)
     check_batchnorm(model, f"--benchmark --model {name}", "dp_ and clip", args.bn)
-    data_config = timm.data.resolve_data_config({}, model=model)
-    gen = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(B * acc, *data_config["input_size"], generator=gen).to(device)
-    # random weights: full steps
-    wide_open = dict(WIDE_OPEN, lr=1e-5, bn=args.bn or "train")
-    dp = dict(clip=1.0, eps=5.0)
+    config = timm.data.resolve_data_config({}, model=model)
+    x = torch.randn(
+        B * acc, *config["input_size"], generator=torch.Generator().manual_seed(args.seed)
+    ).to(args.device)
     specs = dict(source=("source", {}))  # row -> (method, its arguments)
-    for b in BASES:
-        specs.update({b: (b, {}), f"{b} clip": (b, dict(clip=1.0))})
-        specs[f"dp_{b}"] = (f"dp_{b}", dp)
+    for m in (o.name for o in ORIGINALS):
+        specs.update(
+            {
+                m: (m, {}),
+                f"{m} clip": (m, dict(clip=1.0)),
+                f"dp_{m}": (f"dp_{m}", dict(clip=1.0, eps=5.0)),
+            }
+        )
         if acc > 1:
-            specs[f"dp_{b} {B}x{acc}"] = (f"dp_{b}", dict(dp, accumulate=acc))
-    if any(isinstance(m, BATCH_NORM) for m in model.modules()):
-        specs.update(norm=("norm", dict(bn="train")),
-                     dp_norm=("dp_norm", dict(eps=5, bn="train")))
-    # each its own copy of the model: never a shared θ
-    try:
-        variants = {k: DPTTA(copy.deepcopy(model), method, **{**wide_open, **kwargs})
-                    for k, (method, kwargs) in specs.items()}
-    except ValueError as e:
-        fail(f"--benchmark --model {name}: {e}")
+            specs[f"dp_{m} {B}x{acc}"] = (f"dp_{m}", dict(clip=1.0, eps=5.0, accumulate=acc))
+    wide_open = dict(WIDE_OPEN, lr=1e-5, bn=args.bn or "train")  # random weights: full steps
+    variants = {
+        k: DPTTA(copy.deepcopy(model), method, **wide_open, **kw)
+        for k, (method, kw) in specs.items()
+    }
 
-    def step(a):  # a window: one batch, or B at a time (accumulate)
+    def step(adapter):  # a window: the batch, or B at a time (accumulate)
         with autocast(args):
-            for xb in x.split(len(x) // a.accumulate):
-                a(xb)
+            for xb in x.split(len(x) // adapter.accumulate):
+                adapter(xb)
         if cuda:
             torch.cuda.synchronize()
 
-    times, peak, fallbacks = {k: [] for k in variants}, {}, sum(VMAP_FALLBACKS.values())
-    for k, a in variants.items():  # warm-up; on CUDA, the peak memory
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        step(a)
-        peak[k] = torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else math.nan
-    # interleaved: drift of the machine hits every variant alike
-    for _ in range(args.rounds):
-        for k, a in variants.items():
-            t = time.perf_counter()
-            step(a)
-            times[k].append(time.perf_counter() - t)
-    fallbacks = sum(VMAP_FALLBACKS.values()) - fallbacks
-    for k, a in variants.items():  # a NaN would have timed NaN steps
-        stop_unless_finite(a, f"--benchmark's {k} steps")
+    times, peak = {k: [] for k in variants}, {}
+    with warnings.catch_warnings(record=True) as caught:  # the library warns of a per-sample loop
+        warnings.simplefilter("always")
+        for k, adapter in variants.items():  # a warm-up; on CUDA, the peak memory
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            step(adapter)
+            peak[k] = torch.cuda.max_memory_allocated() / 2**20 if cuda else math.nan
+        for _ in range(args.rounds):
+            for k, adapter in variants.items():
+                t = time.perf_counter()
+                step(adapter)
+                times[k].append(time.perf_counter() - t)
+    loops = sorted(
+        {str(w.message).split()[0] for w in caught if "has no vmap rule" in str(w.message)}
+    )
+    for k, adapter in variants.items():  # a NaN would have timed NaN steps
+        stop_unless_finite(adapter, f"--benchmark's {k} steps")
     n = B * acc
-    print(f"benchmark | {name} | batch {n} | {device.type} | {args.dtype} | median of "
-          f"{args.rounds} interleaved rounds")
-    rows_acc = f"; {B}x{acc}: a step per {acc} batches of {B}" if acc > 1 else ""
-    print(f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}"
-          f"{'per-sample g MiB':>18}   (ratio: / the plain method{rows_acc}; peak: CUDA max "
-          "allocated)")
+    print(
+        f"benchmark | {name} | batch {n} | {args.device} | {args.dtype} | median of {args.rounds} interleaved rounds"
+    )
+    print(
+        f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}   (ratio: / the plain method; peak: CUDA max allocated)"
+    )
     rows = []
-    for k, a in variants.items():
+    for k, adapter in variants.items():
         ms = 1000 * float(np.median(times[k]))
-        ref = k.split()[0] if a.accumulate > 1 else k.split()[0].removeprefix("dp_")
-        plain = 1000 * float(np.median(times[ref]))
-        # the per-sample gradients themselves: B × adapted scalars, fp32
-        psg = n * sum(p.numel() for p in a.params.values()) * 4 / 2 ** 20 if a.clip else 0.0
-        rows.append(dict(variant=k, ms=ms, images_per_s=1000 * n / ms, ratio=ms / plain,
-                         peak_mib=peak[k], per_sample_grad_mib=psg))
-        print(f"{k:<16}{ms:>10.1f}{1000 * n / ms:>9.1f}{ms / plain:>8.2f}"
-              f"{'-' if math.isnan(peak[k]) else f'{peak[k]:.1f}':>10}{psg:>18.2f}")
-    ops = f": {', '.join(VMAP_FALLBACKS)}" if fallbacks else ""
-    print(f"vmap fallbacks: {fallbacks} (passes looping over samples; must be 0){ops}")
+        plain = k.split()[0] if adapter.accumulate > 1 else k.split()[0].removeprefix("dp_")
+        ratio = ms / (1000 * float(np.median(times[plain])))
+        rows.append(
+            dict(variant=k, ms=ms, images_per_s=1000 * n / ms, ratio=ratio, peak_mib=peak[k])
+        )
+        shown = "-" if math.isnan(peak[k]) else f"{peak[k]:.1f}"
+        print(f"{k:<16}{ms:>10.1f}{1000 * n / ms:>9.1f}{ratio:>8.2f}{shown:>10}")
+    print(
+        f"vmap fallbacks: {len(loops)} (ops looping over samples; must be 0){': ' if loops else ''}{', '.join(loops)}"
+    )
     with tempfile.TemporaryDirectory(prefix="dptta-bench-") as tree:
         make_synthetic_tree(tree, ["gaussian_noise"], 5, 4 * B, size=375)
-        ds = WnidFolder(os.path.join(tree, "gaussian_noise", "5"),
-                        timm.data.create_transform(**data_config))
+        ds = WnidFolder(
+            os.path.join(tree, "gaussian_noise", "5"), timm.data.create_transform(**config)
+        )
         loader = image_stream(ds, B, seed=args.seed, workers=args.workers, pin_memory=cuda)
         t = time.perf_counter()
         loader_rate = sum(len(xb) for xb, _, _ in loader) / (time.perf_counter() - t)
-    need_rate = max(r["images_per_s"] for r in rows[1:])
-    print(f"loader: {loader_rate:.0f} img/s (375x375 JPEG, timm transform, {args.workers} "
-          f"workers); the fastest step above takes {need_rate:.0f} img/s")
-    append_jsonl(args.out, dict(
-        mode="benchmark", model=name, batch=B, device=device.type, dtype=args.dtype,
-        rounds=args.rounds, rows=rows, vmap_fallbacks=fallbacks,
-        loader_images_per_s=loader_rate, versions={"torch": torch.__version__}))
+    fastest = max(r["images_per_s"] for r in rows[1:])
+    print(
+        f"loader: {loader_rate:.0f} img/s (375x375 JPEG, timm transform, {args.workers} workers); the fastest step above takes {fastest:.0f} img/s"
+    )
+    append_jsonl(
+        args.out,
+        dict(
+            mode="benchmark",
+            model=name,
+            batch=n,
+            device=args.device,
+            dtype=args.dtype,
+            rounds=args.rounds,
+            rows=rows,
+            vmap_fallbacks=len(loops),
+            loader_images_per_s=loader_rate,
+            versions={"torch": torch.__version__},
+        ),
+    )
     print(f"appended to {args.out}")
     return 0
 
-# -- --audit: an empirical lower bound on ε from a distinguishing game -------
+
+# ----------------------------------------------------------------------------
+# --audit: an empirical lower bound on ε from the change-one game
 def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
-    """ε_lb from the scores (large: "canary in"): a threshold picked on half
-    the trials, its error rates on the other half bounded by Clopper-Pearson.
-    gaussian (Nasr et al. 2023): ε of μ_lb-GDP, μ_lb = Φ⁻¹(1 − FPR) − Φ⁻¹(FNR);
-    else (Kairouz et al. 2015): ε_lb = log((1 − δ − FNR)/FPR), or swapped."""
+    """ε_lb from the two worlds' scores (large: "canary in"). A threshold is chosen on half
+    of the trials; its error rates on the other half are bounded by Clopper-Pearson at
+    `confidence`. gaussian (Nasr et al. 2023): the ε of μ_lb-GDP, μ_lb = Φ⁻¹(1 − FPR) −
+    Φ⁻¹(FNR), a Gaussian trade-off curve as the audited mechanism has; else (Kairouz et al.
+    2015): log((1 − δ − FNR)/FPR) or swapped, distribution-free and much weaker."""
     s_in, s_out = np.asarray(s_in, float), np.asarray(s_out, float)
     h, alpha = min(len(s_in), len(s_out)) // 2, (1 - confidence) / 2
 
@@ -1935,178 +2610,224 @@ def epsilon_lower_bound(s_in, s_out, delta, confidence=0.95, gaussian=True):
 
     def bound_at(t, part):
         fpr, fnr = upper((s_out[part] > t).sum()), upper((s_in[part] <= t).sum())
-        # μ_lb of the Gaussian trade-off curve through (FPR, FNR)
         if gaussian:
             return stats.norm.ppf(1 - fpr) - stats.norm.ppf(fnr)
         with np.errstate(divide="ignore", invalid="ignore"):
-            ratios = ((1 - delta - fnr) / fpr, (1 - delta - fpr) / fnr)
-            return max(0.0, *np.log(ratios))
+            return max(0.0, *np.log(((1 - delta - fnr) / fpr, (1 - delta - fpr) / fnr)))
 
-    # thresholds at false positive rates from 1/2 down to ~10/h; the best *bounded* on half 1
+    # thresholds at false positive rates from 1/2 down to ~10/h; the best bounded on half 1
     cuts = np.quantile(s_out[:h], 1 - np.geomspace(0.5, min(0.5, 10 / h), 80))
-    best = max(cuts, key=lambda t: bound_at(t, slice(0, h)))
-    lb = bound_at(best, slice(h, 2 * h))
+    lb = bound_at(max(cuts, key=lambda t: bound_at(t, slice(0, h))), slice(h, 2 * h))
     if gaussian:
         return gdp_epsilon(sigma=2 / lb, delta=delta) if lb > 0 else 0.0
     return lb
 
-def flat_sample_grads(a, x):
-    """What adapter a clips, a row per sample (dp_norm: 1st BN's v_i)."""
-    if a.method == "dp_norm":
-        name = next(iter(a.bn_src))
-        bn, seen = a.model.get_submodule(name), []
+
+def flat_sample_grads(adapter, x):
+    """What the adapter clips, one row per sample (dp_norm: its first layer's moments)."""
+    if adapter.bn_src:
+        name, seen = next(iter(adapter.bn_src)), []
+        bn = adapter.model.get_submodule(name)
         with torch.no_grad(), bn.register_forward_pre_hook(lambda m, inp: seen.append(inp[0])):
-            a.model(x)
-        return bn_moments(seen[0], *a.bn_src[name], bn.eps)
-    g, _ = per_sample_grads(a.model, a.params, a.loss, x, a.context(x))
+            adapter.model(x)
+        return bn_moments(seen[0], *adapter.bn_src[name], bn.eps)
+    g, _ = per_sample_grads(adapter.model, adapter.params, adapter.loss, x, adapter.context(x))
     return torch.cat([t.flatten(1).float() for t in g.values()], 1)
 
-def clip_of(a, width):
-    """Adapter a's clip norm (dp_norm: scale·√width; no clip: inf)."""
-    if a.method == "dp_norm":
-        return a.hp["bn_scale"] * math.sqrt(width)
-    return a.clip or math.inf
 
-def craft_canaries(a, shape, *, steps=100, box=3.0, seed=0):
-    """Two images whose g_i point apart: Adam on the pixels (in ±box) on
-    cos(g1, g2) − 0.01·log(‖g1‖‖g2‖), a double backward (norms kept up)."""
-    gen = torch.Generator().manual_seed(seed)
-    imgs = torch.randn(2, *shape, generator=gen).to(next(a.model.parameters()).device)
-    opt = torch.optim.Adam([imgs.requires_grad_()], lr=0.05)
-    theta = {n: p.detach().requires_grad_() for n, p in a.params.items()}
+def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
+    """Two images whose per-sample gradients point apart: Adam on their pixels (within ±box)
+    minimizes cos(g1, g2) − 0.01·log(‖g1‖‖g2‖) through a double backward."""
+    device = next(adapter.model.parameters()).device
+    images = torch.randn(2, *shape, generator=torch.Generator().manual_seed(seed)).to(device)
+    opt = torch.optim.Adam([images.requires_grad_()], lr=0.05)
+    theta = {n: p.detach().requires_grad_() for n, p in adapter.params.items()}
     with sdpa_kernel(SDPBackend.MATH):  # twice differentiable
         for _ in range(steps):
-            ctx, g = a.context(imgs.detach()), []
+            ctx, g = adapter.context(images.detach()), []
             for i in range(2):
-                z = logits_of(functional_call(a.model, theta, (imgs[i:i + 1],)))
-                loss = a.loss(z, None if ctx is None else ctx[i:i + 1]).sum()
+                z = logits_of(functional_call(adapter.model, theta, (images[i : i + 1],)))
+                loss = adapter.loss(z, None if ctx is None else ctx[i : i + 1]).sum()
                 grads = torch.autograd.grad(loss, list(theta.values()), create_graph=True)
                 g.append(torch.cat([t.flatten() for t in grads]))
-            log_norms = (g[0].norm() * g[1].norm()).log()
             opt.zero_grad()
-            (F.cosine_similarity(g[0], g[1], 0) - 0.01 * log_norms).backward()
+            (
+                F.cosine_similarity(g[0], g[1], 0) - 0.01 * (g[0].norm() * g[1].norm()).log()
+            ).backward()
             opt.step()
             with torch.no_grad():
-                imgs.clamp_(-box, box)
-    return imgs.detach()
+                images.clamp_(-box, box)
+    return images.detach()
 
-@contextlib.contextmanager
-def replayed_per_sample_pass(a):
-    """Each batch's per-sample pass (and x′) runs once; clip, noise, step every trial."""
-    memo, real, context = {}, per_sample_grads, a.context
 
-    def once(fn, x, *args, **kwargs):
-        key = (fn, x.data_ptr(), tuple(x.shape))
-        if key not in memo:
-            memo[key] = fn(*args, **kwargs)
-        return memo[key]
+def audit(
+    adapter,
+    x,
+    canary=None,
+    replacement=None,
+    *,
+    trials=20000,
+    confidence=0.95,
+    seed=0,
+    gaussian=True,
+):
+    """The change-one game on the adapter, ε_lb at `confidence`: the attacker knows all but
+    the noise and scores a release along d = clip(g_in) − clip(g_out).
 
-    globals()["per_sample_grads"] = lambda model, params, loss_fn, x, *args, **kwargs: once(
-        real, x, model, params, loss_fn, x, *args, **kwargs)
-    a.context = lambda x: once(context, x, x)
-    try:
-        yield
-    finally:
-        globals()["per_sample_grads"] = real
-        del a.context
-
-def audit(a, x, canary=None, replacement=None, *, trials=20000, confidence=0.95, seed=0,
-          gaussian=True):
-    """The change-one game on adapter a, ε_lb at `confidence`: the attacker
-    knows all but the noise and scores the release along d = clip(g_in) −
-    clip(g_out). White-box: x's g_i (dp_norm: v_i) and a canary gradient
-    ±10·C·u, 2C apart once clipped (no clip: C = 1). End-to-end: θ after a
-    step on x and one image or the other."""
+    White-box: the release of x's per-sample gradients (dp_norm: its first layer's v_i) and
+    a canary gradient ±10·C·u, 2C apart once clipped, by clip_and_noise (no clip: C = 1,
+    and the canaries stay 20 apart: no noise, no claim).
+    End-to-end: θ after one real step from θ0 on x and one image or the other; each batch's
+    per-sample pass runs once (adapter.replay), clip, noise and step run every trial."""
     if canary is None:
-        flat = flat_sample_grads(a, x)
-        clip = clip_of(a, flat.shape[1])
+        flat = flat_sample_grads(adapter, x)
+        clip = clip_of(adapter, flat.shape[1])
         size = 1.0 if math.isinf(clip) else clip
-        u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed))
-        u = 10 * size * u.to(flat.device) / u.norm()
+        u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed)).to(
+            flat.device
+        )
+        u = 10 * size * u / u.norm()
         worlds, d = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)], 2 * u / u.norm()
 
         def release(world):
-            return clip_and_noise(world, clip, a.sigma, a.noise_gen)["θ"]
+            return clip_and_noise(world, clip, adapter.sigma, adapter.noise_gen)["θ"]
+
     else:
         worlds = [torch.cat([x, img[None]]) for img in (canary, replacement)]
-        g = [flat_sample_grads(a, img[None]) for img in (canary, replacement)]
-        clipped = [clip_and_noise({"θ": t}, clip_of(a, 1), 0.0, None)["θ"] for t in g]
+        g = [flat_sample_grads(adapter, img[None]) for img in (canary, replacement)]
+        clipped = [clip_and_noise({"θ": t}, clip_of(adapter, 1), 0.0, None)["θ"] for t in g]
         d = clipped[0] - clipped[1]
 
-        # θ1 = θ0 − lr·Δ: the first step's momentum buffer is Δ itself
-        def release(world):
-            a.reset()
-            a(world)
-            return torch.cat([((a.theta0[n] - p.detach()) / a.lr).flatten()
-                              for n, p in a.params.items()])
-    with replayed_per_sample_pass(a):
+        def release(world):  # θ1 = θ0 − lr·Δ: the first momentum buffer is Δ itself
+            adapter.reset()
+            adapter(world)
+            return torch.cat(
+                [
+                    ((adapter.theta0[n] - p.detach()) / adapter.lr).flatten()
+                    for n, p in adapter.params.items()
+                ]
+            )
+
+    adapter.replay = {}
+    try:
         scores = [[release(w) for w in worlds] for _ in range(trials)]  # [trial][world]
-    a.reset()
+    finally:
+        adapter.replay = None
+        adapter.reset()
     s_in, s_out = ((torch.stack(s).double() @ d.double()).cpu().numpy() for s in zip(*scores))
-    return epsilon_lower_bound(s_in, s_out, a.delta, confidence, gaussian)
+    return epsilon_lower_bound(s_in, s_out, adapter.delta, confidence, gaussian)
+
+
+def clip_of(adapter, width):
+    """The adapter's clip norm (dp_norm: bn_scale·√width; no clip: inf)."""
+    if adapter.bn_src:
+        return adapter.hp["bn_scale"] * math.sqrt(width)
+    return adapter.clip or math.inf
+
 
 def audit_cli(args):
-    """White-box and end-to-end ε_lb of --method at --eps (tiny ViT or CNN)."""
+    """White-box and end-to-end ε_lb of --method at --eps, on a tiny random ViT (dp_norm: a
+    BatchNorm CNN, white-box only)."""
     check_common(args, "audit")
     require(args.model is None, "--audit has its own model: --model does not apply")
     check_out(args, "results-audit.jsonl")
-    private, norm = args.method.startswith("dp_"), args.method in NORM_METHODS
+    record = METHODS[args.method]
+    private, norm = record.private, record.step == "norm"
     require(args.eps is None or private, f"--eps is for dp_ methods only, not {args.method}")
-    require(args.method != "source", "--audit: source releases nothing")
-    args.delta, eps, kwargs = args.delta or 1e-6, args.eps, {}
+    require(record.step != "none", "--audit: source releases nothing")
+    delta, eps, kwargs = args.delta or 1e-6, args.eps, {}
     if private:
         eps = args.eps or 5.0
-        kwargs = dict(eps=eps, delta=args.delta)
-    # the originals and ε = inf: no noise, no claim
-    claim = private and math.isfinite(eps)
+        kwargs = dict(eps=eps, delta=delta)
+    claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
     torch.manual_seed(args.seed)
     if norm:
-        model = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(),
-                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, 1, 1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        )
     else:
         model = timm.create_model(
-            "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
-            embed_dim=32, num_heads=2, num_classes=10)
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=32,
+            patch_size=8,
+            depth=2,
+            embed_dim=32,
+            num_heads=2,
+            num_classes=10,
+        )
         kwargs.update(lr=args.lr or 0.1, clip=args.clip or (1.0 if private else None))
         if not private:  # filters open: the canary is kept
             kwargs.update(WIDE_OPEN)
-    a = or_fail(DPTTA, model.eval(), args.method, seed=args.seed, **kwargs)
+    adapter = or_fail(DPTTA, model.eval(), args.method, seed=args.seed, **kwargs)
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(args.seed))
     t0 = time.time()
-    games = [("white-box ", audit(a, x, trials=args.trials, seed=args.seed), args.trials,
-              time.time() - t0, "")]
-    # end to end: a crafted image pair, C below both gradients (both clipped)
-    if not norm:
-        t0, pair = time.time(), craft_canaries(a, (3, 32, 32), seed=args.seed)
-        if a.clip is not None and args.clip is None:
-            # C well below both, whatever DeYO's shuffle: a skipped clip would show
-            a.clip = 0.25 * torch.cat([flat_sample_grads(a, pair) for _ in range(8)]).norm(
-                dim=1).min().item()
-        g, note = flat_sample_grads(a, pair), "; no clip"
-        if a.clip:  # g_i·min(1, C/‖g_i‖)
-            g = g * (a.clip / g.norm(dim=1, keepdim=True)).clamp(max=1)
-            note = f"; the crafted pair is {(g[0] - g[1]).norm() / (2 * a.clip):.2f}·2C apart"
-            note += f", C = {a.clip:.3g}"
-        lb = audit(a, x, pair[0], pair[1], trials=args.e2e_trials)
+    games = [
+        (
+            "white-box ",
+            audit(adapter, x, trials=args.trials, seed=args.seed),
+            args.trials,
+            time.time() - t0,
+            "",
+        )
+    ]
+    if not norm:  # end to end: a crafted pair, C below both gradients (both clipped)
+        t0, pair = time.time(), craft_canaries(adapter, (3, 32, 32), seed=args.seed)
+        if adapter.clip is not None and args.clip is None:  # well below both, whatever the shuffle
+            adapter.clip = (
+                0.25
+                * torch.cat([flat_sample_grads(adapter, pair) for _ in range(8)])
+                .norm(dim=1)
+                .min()
+                .item()
+            )
+        g, note = flat_sample_grads(adapter, pair), "; no clip"
+        if adapter.clip:  # g_i·min(1, C/‖g_i‖)
+            g = g * (adapter.clip / g.norm(dim=1, keepdim=True)).clamp(max=1)
+            note = f"; the crafted pair is {(g[0] - g[1]).norm() / (2 * adapter.clip):.2f}·2C apart, C = {adapter.clip:.3g}"
+        lb = audit(adapter, x, pair[0], pair[1], trials=args.e2e_trials)
         games.append(("end-to-end", lb, args.e2e_trials, time.time() - t0, note))
-    print(f"audit | {args.method} | " + (f"claimed ε = {eps:g} at δ = {args.delta:g}, σ = "
-          f"{a.sigma:.4f}" if claim else "NOT PRIVATE: no noise, no claim"))
+    claimed = (
+        f"claimed ε = {eps:g} at δ = {delta:g}, σ = {adapter.sigma:.4f}"
+        if claim
+        else "NOT PRIVATE: no noise, no claim"
+    )
+    print(f"audit | {args.method} | {claimed}")
     for name, lb, n, seconds, note in games:
-        top = epsilon_lower_bound(np.ones(n), np.zeros(n), args.delta)
+        top = epsilon_lower_bound(np.ones(n), np.zeros(n), delta)
         limited = f" (≥: limited by {n} trials, never confused)" if lb >= top - 1e-9 else ""
         ratio = f", ε_lb/ε = {lb / eps:.2f}" if claim else ""
-        print(f"{name}: ε_lb = {lb:.3f} at 95% confidence{limited}{ratio}; {n} trials per "
-              f"world, {seconds:.0f} s{note}")
+        print(
+            f"{name}: ε_lb = {lb:.3f} at 95% confidence{limited}{ratio}; {n} trials per world, {seconds:.0f} s{note}"
+        )
     if not claim:
         print(f"{args.method} is not private: its releases tell the two worlds apart")
-    print("ε_lb via μ-GDP (Nasr et al. 2023; a Gaussian trade-off curve): above the claim "
-          "shows a bug; below it proves nothing")
+    print(
+        "ε_lb via μ-GDP (Nasr et al. 2023; a Gaussian trade-off curve): above the claim shows a bug; below it proves nothing"
+    )
     held = not claim or all(lb <= eps for _, lb, *_ in games)
     games = {name.strip(): dict(eps_lb=lb, trials=n, seconds=s) for name, lb, n, s, _ in games}
-    append_jsonl(args.out, dict(
-        mode="audit", method=args.method, eps=eps, delta=args.delta, sigma=a.sigma,
-        private=claim, clip=a.clip, claim_held=held, games=games))
+    append_jsonl(
+        args.out,
+        dict(
+            mode="audit",
+            method=args.method,
+            eps=eps,
+            delta=delta,
+            sigma=adapter.sigma,
+            private=claim,
+            clip=adapter.clip,
+            claim_held=held,
+            games=games,
+        ),
+    )
     return int(not held)  # 1: a lower bound above the claim
+
 
 if __name__ == "__main__":
     try:

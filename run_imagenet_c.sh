@@ -18,7 +18,9 @@
 #   --accumulate so that batch x accumulate = 64),
 #   METHODS ("source tent eata sar deyo deyo_come"), VARIANTS ("plain clip dp"),
 #   EPSILONS ("20 15 10 5 1"), OUT (results.jsonl), TUNE_OUT (tune.jsonl), TUNED (tuned.json),
-#   EXTRA (more dptta.py flags, e.g. "--limit 2000 --fisher-data /data/imagenet/val"),
+#   EXTRA (more dptta.py flags, e.g. "--limit 2000 --fisher-data /data/imagenet-train-2k":
+#   EATA's Fisher images, public and not ImageNet val, whose photos ImageNet-C is made of;
+#   without it every eata cell runs with no anti-forgetting penalty, and says so),
 #   PYTHON (the interpreter with torch and timm; default python3, e.g. .venv/bin/python).
 #   A subset, e.g. METHODS="sar deyo" VARIANTS="dp" EPSILONS="5 1" ./run_imagenet_c.sh
 # Resumable: every cell runs with --resume, so cells already in $OUT are skipped.
@@ -62,7 +64,7 @@ import dptta
 env = {k: os.environ[k].split()
        for k in ("SEEDS", "SETTINGS", "METHODS", "VARIANTS", "EPSILONS", "BATCHES")}
 tuned = json.load(open(os.environ["TUNED"])) if os.environ["TUNED"] else {}
-allowed = {"METHODS": ("source",) + tuple(b for b in dptta.BASES if b != "come"),
+allowed = {"METHODS": ("source",) + tuple(dptta.PAPER_LR["continual"]),  # the paper's five
            "VARIANTS": ("plain", "clip", "dp"), "SETTINGS": ("continual", "episodic"),
            "BATCHES": ("1", "2", "4", "8", "16", "32", "64"),
            "EPSILONS": ("20", "15", "10", "5", "1") if os.environ["STAGE"] == "main" and not tuned
@@ -175,9 +177,12 @@ PY
 if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then  # one cell per array task; the summary is yours
   exec "$PYTHON" dptta.py ${cells[$SLURM_ARRAY_TASK_ID]} --out "$out" --resume $EXTRA
 fi
-ngpu=0
-if command -v nvidia-smi > /dev/null 2>&1; then
+ngpu=0; gpus=()
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then  # the GPUs this job was given, and no others
+  IFS=, read -r -a gpus <<< "$CUDA_VISIBLE_DEVICES"; ngpu=${#gpus[@]}
+elif command -v nvidia-smi > /dev/null 2>&1; then
   ngpu=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
+  for (( g = 0; g < ngpu; g++ )); do gpus+=("$g"); done
 fi
 nworkers=$(( ngpu > 0 ? ngpu : 1 ))  # no GPU: one worker, dptta.py picks the CPU
 echo "run_imagenet_c.sh: ${#cells[@]} cells ($stage) on $nworkers worker(s)" \
@@ -187,7 +192,7 @@ worker() {  # worker g runs every nworkers-th cell; a signal stops it and its ru
   local g=$1 child= rc j
   trap '[ -n "$child" ] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
   for (( j = g; j < ${#cells[@]}; j += nworkers )); do
-    if [ "$ngpu" -gt 0 ]; then export CUDA_VISIBLE_DEVICES=$g; fi
+    if [ "$ngpu" -gt 0 ]; then export CUDA_VISIBLE_DEVICES=${gpus[$g]}; fi
     "$PYTHON" dptta.py ${cells[$j]} --out "$out" --resume $EXTRA &  # as command_of prints it
     child=$!
     rc=0; wait "$child" || rc=$?
@@ -217,7 +222,8 @@ if [ $stage = tune ]; then  # per setting, method and column: the (C, lr) with t
   "$PYTHON" - "$TUNE_OUT" "$TUNED" <<'PY'
 import json, sys
 best = {}
-for r in map(json.loads, filter(str.strip, open(sys.argv[1]))):
+import dptta
+for _, r in dptta.read_jsonl(sys.argv[1], "the tune stage's"):  # a damaged line: skipped
     if r.get("mode") != "adapt" or r.get("smoke"):
         continue
     m, private = r["method"].removeprefix("dp_"), r["method"].startswith("dp_")
