@@ -564,7 +564,9 @@ DEYO_COME = replace(
 # those statistics privately instead (DPNorm, after DPTTA)
 NORM = Method("norm", step="norm", constants=dict(bn_layers=None, bn_scale=0.5))
 ORIGINALS = (TENT, COME, EATA, SAR, DEYO, DEYO_COME)
+BASES = tuple(m.name for m in ORIGINALS)  # the originals' names; "dp_" + one: its DP variant
 METHODS = {m.name: m for m in (SOURCE, *ORIGINALS, *map(private, ORIGINALS), NORM, private(NORM))}
+NORM_METHODS = ("norm", "dp_norm")  # statistics, not gradients
 CONSTANTS = {k for m in METHODS.values() for k in (*m.constants, *m.filter_constants)}
 # ----------------------------------------------------------------------------
 # The adapter
@@ -590,6 +592,7 @@ class DPTTA(nn.Module):
     clip       the per-sample clip C (needed by dp_; on an original: its clip-only variant)
     lr         SGD's learning rate (momentum 0.9, as every original)
     repeats    how many steps see each privacy unit (a photo in k streams, --repeat): σ·√k
+    privacy_unit  "image" or "photo", the unit that repeats counts (a label for the ledger)
     bn         BatchNorm normalizes with the test batch ("train", Tent's: not per-sample) or
                is frozen at its source statistics ("source", a per-sample map)
     accumulate a step per k batches, on the k batches together (single-image streams)
@@ -620,6 +623,7 @@ class DPTTA(nn.Module):
         clip=None,
         lr=None,
         repeats=1,
+        privacy_unit="image",
         bn="train",
         accumulate=1,
         seed=0,
@@ -637,6 +641,7 @@ class DPTTA(nn.Module):
         need(clip is None or 0 < clip < math.inf, f"clip must be finite and > 0, got {clip}")
         need(not gradient or lr is not None and 0 < lr < math.inf, f"{name} needs a finite lr > 0")
         need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
+        need(privacy_unit in ("image", "photo"), "privacy_unit is 'image' or 'photo'")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         need(noise_seed is None or isinstance(noise_seed, int), "noise_seed is an int or None")
@@ -645,6 +650,7 @@ class DPTTA(nn.Module):
         need(not unknown[0], f"unknown constant {unknown[0]} for {name}")
         self.hp.update((k, v) for k, v in constants.items() if k in self.hp)
         self.eps, self.delta, self.repeats, self.clip, self.lr = eps, delta, repeats, clip, lr
+        self.privacy_unit = privacy_unit  # a label: repeats says how often a unit is seen
         self.sigma = calibrate_sigma(eps=eps or math.inf, delta=delta, repeats=repeats)
         self.bn, self.accumulate, self.chunk_size = bn, accumulate, chunk_size
         self.model = model.eval().requires_grad_(False)  # eval: no dropout, nothing random
@@ -711,7 +717,8 @@ class DPTTA(nn.Module):
     def get_extra_state(self):
         """In state_dict(): θ, θ0, the momentum, the method's state and both generators, so
         that a load resumes exactly, the noise where it stood. A checkpoint is as secret as
-        the data (whoever reads it replays the noise): load it into one adapter only."""
+        the data (whoever reads it replays the noise): load it into one adapter only. EATA's
+        fisher is an input, not a state: pass it again to the adapter that loads."""
         self.__getstate__()  # (a pending window refuses a checkpoint too)
         state = dict(who=(self.method.name, self.sigma), theta=(dict(self.params), self.theta0))
         state["opt"] = None if self.opt is None else self.opt.state_dict()
@@ -1332,9 +1339,10 @@ PAPER_CONSTANTS = dict(
 
 
 def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
-    """(C, lr, where they come from) in the paper's tables; an original with a clip: its
-    clip-only row. COME alone has no row (Tent's is used); an ε the paper did not tune
-    takes the nearest tuned ε on a log scale; a method of the user's own has none."""
+    """(C, lr, where they come from) in the paper's tables; an original with a clip, and a DP
+    variant at ε = inf (no noise), take the clip-only row. COME alone has no row (Tent's is
+    used); an ε the paper did not tune takes the nearest tuned ε on a log scale; a method of
+    the user's own has none."""
     private, base = METHODS[method].private, method.removeprefix("dp_")
     table, note = {"come": "tent"}.get(base, base), ""
     if table != base:
@@ -2160,6 +2168,7 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         clip=args.clip,
         lr=args.lr,
         repeats=args.repeat * photo,
+        privacy_unit=args.privacy_unit,
         seed=args.seed,
         noise_seed=args.noise_seed,
         bn=args.bn or "train",
@@ -2548,7 +2557,7 @@ def benchmark(args):
         f"benchmark | {name} | batch {n} | {args.device} | {args.dtype} | median of {args.rounds} interleaved rounds"
     )
     print(
-        f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}   (ratio: / the plain method; peak: CUDA max allocated)"
+        f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}   (ratio: / the plain method, an accumulate row / its dp_ row; peak: CUDA max allocated)"
     )
     rows = []
     for k, adapter in variants.items():

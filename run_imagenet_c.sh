@@ -85,7 +85,7 @@ def constants(m):  # the paper's scripts' filter constants, for the filtered (no
     return "".join(f" --hp {k}={v}" for k, v in dptta.PAPER_CONSTANTS.get(m, {}).items())
 
 
-if os.environ["STAGE"] == "tune":  # the paper's grid, on held-out corruptions only
+if os.environ["STAGE"] == "tune":  # a grid of C and lr (the paper's DP search), held-out only
     columns = (["clip-only"] if "clip" in env["VARIANTS"] else []) + \
               (epsilons if "dp" in env["VARIANTS"] else [])
     for setting, seed, m, col, C, lr in itertools.product(

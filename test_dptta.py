@@ -249,6 +249,11 @@ def test_photo_privacy_unit_composes_k_releases_by_the_closed_form():
     assert photo.sigma == pytest.approx(math.sqrt(k) * image.sigma, rel=1e-12)
     with pytest.raises(ValueError, match="repeats"):
         dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, clip=1.0, lr=1e-3, repeats=0)
+    with pytest.raises(ValueError, match="privacy_unit"):
+        dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, clip=1.0, lr=1e-3, privacy_unit="person")
+    labelled = dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, clip=1.0, lr=1e-3, repeats=k,
+                           privacy_unit="photo")
+    assert labelled.privacy_unit == "photo" and labelled.sigma == photo.sigma
 
 
 # ----------------------------------------------------------------------------
