@@ -247,7 +247,9 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
         return loss_fn(logits, None if ctx is None else ci[None])[0], logits[0]
 
     def batched_pass():
-        step = chunk_size or {"cpu": 8}.get(x.device.type, len(x))
+        step = chunk_size
+        if step is None:  # the whole batch on a GPU; on a CPU 8, which stay in cache
+            step = 8 if x.device.type == "cpu" else len(x)
         ctxs = x.new_zeros(len(x), 0) if ctx is None else ctx  # vmap needs a tensor to map
         grads, logits = [], []
         for xs, cs in zip(x.split(step), ctxs.split(step)):
@@ -357,7 +359,8 @@ def come_entropy(logits, num_classes=None):
     z = at_least_fp32(logits)
     norm = z.norm(dim=-1, keepdim=True)
     z = z / norm.clamp(min=1e-12) * norm.detach()  # all-zero logits: 0, not NaN
-    log_k = torch.full_like(z[..., :1], math.log(num_classes or z.shape[-1]))
+    k = z.shape[-1] if num_classes is None else num_classes
+    log_k = torch.full_like(z[..., :1], math.log(k))
     q = torch.cat([z, log_k], -1).softmax(-1) + 1e-7
     return -(q * q.log()).sum(-1)
 
@@ -651,7 +654,8 @@ class DPTTA(nn.Module):
         self.hp.update((k, v) for k, v in constants.items() if k in self.hp)
         self.eps, self.delta, self.repeats, self.clip, self.lr = eps, delta, repeats, clip, lr
         self.privacy_unit = privacy_unit  # a label: repeats says how often a unit is seen
-        self.sigma = calibrate_sigma(eps=eps or math.inf, delta=delta, repeats=repeats)
+        noisy_eps = math.inf if eps is None else eps  # the originals: no noise
+        self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)
         self.bn, self.accumulate, self.chunk_size = bn, accumulate, chunk_size
         self.model = model.eval().requires_grad_(False)  # eval: no dropout, nothing random
         self.params, self.model_params = {}, {}
@@ -948,7 +952,7 @@ def averaged(averages, s, noise):
     from the long one by more than SHIFT times the noise they carry, the stream has shifted
     (a new corruption): the long one restarts from the short one."""
     empty = (0 * s, 0.0, 0.0)
-    long, short = averages or (empty, empty)
+    long, short = (empty, empty) if averages is None else averages
     gain = norm_gain(noise)
     long, short = (
         running_average(long, s, noise, gain),
@@ -1413,7 +1417,8 @@ def require(ok, message):
 
 
 def one_line(e):
-    return " ".join(str(e).split()) or type(e).__name__
+    text = " ".join(str(e).split())
+    return text if text else type(e).__name__
 
 
 def or_fail(make, *args, **kwargs):
@@ -1483,7 +1488,7 @@ def parse_args(argv=None):
     g("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, in order")
     g("--fisher-data", help="EATA's public clean images (<wnid>/ folders)")
     g("--limit", type=number(int, 1), help="images per corruption")
-    g("--workers", type=number(int, 0), default=min(8, os.cpu_count() or 1))
+    g("--workers", type=number(int, 0), default=min(8, os.cpu_count() if os.cpu_count() else 1))
     g("--synthetic", type=number(int, 1), metavar="N", help="smoke run: N random images each")
     g = ap.add_argument_group("model").add_argument
     g("--model", help=f"timm name (default {DEFAULT_MODEL})")
@@ -1593,7 +1598,10 @@ def check_args(args):
     args.hp = parse_hp(args.hp, name)
     for hp in sorted(set(args.hp) - constants_used(name, bool(args.fisher_data))):
         fail(f"--hp {hp} does not change a {name} run (see constants_used)")
-    args.batch_size, args.model = args.batch_size or 64, args.model or DEFAULT_MODEL
+    if args.batch_size is None:
+        args.batch_size = 64
+    if args.model is None:
+        args.model = DEFAULT_MODEL
     args.corruptions = [c for c in args.corruptions.split(",") if c]
     require(args.corruptions, "--corruptions is empty")
     for c in args.corruptions:
@@ -1655,7 +1663,8 @@ def parse_hp(items, method):
 def check_out(args, default):
     """--out (or default): a regular file or a new one its folder can hold; /dev/null
     discards the records (said so), and keeps nothing to --resume."""
-    args.out = args.out or default
+    if args.out is None:
+        args.out = default
     if args.out == os.devnull:
         require(not args.resume, f"--resume: --out {os.devnull} keeps nothing to resume")
         return print(f"note: --out {os.devnull}: the records are discarded")
@@ -1713,7 +1722,8 @@ def build_model(name, checkpoint=None, random_weights=False, seed=0):
         model = timm.create_model(name, pretrained=not (random_weights or checkpoint))
     except Exception as e:  # no network, no cache, ...
         cfg = timm.models.get_pretrained_cfg(name)
-        where = getattr(cfg, "hf_hub_id", None) or getattr(cfg, "url", None) or name
+        where = [getattr(cfg, k, None) for k in ("hf_hub_id", "url")] + [name]
+        where = next(w for w in where if w)
         fail(
             f"cannot load {name}'s weights ({where}): {one_line(e)}; offline: pass --checkpoint PATH, or HF_HUB_OFFLINE=1 for a local cache"
         )
@@ -1743,7 +1753,7 @@ def run_key(args):
         key["weights"] = dict(
             checkpoint=os.path.abspath(args.checkpoint), bytes=st.st_size, mtime=int(st.st_mtime)
         )
-    key["fisher_data"] = args.fisher_data and os.path.abspath(args.fisher_data)
+    key["fisher_data"] = None if args.fisher_data is None else os.path.abspath(args.fisher_data)
     return json.loads(json.dumps(jsonable(key)))  # as it reads back: lists, not tuples
 
 
@@ -1775,7 +1785,8 @@ def read_jsonl(path, flag):
                 records.append((n, record))
             elif line:
                 damaged.append(n)
-                foreign = foreign or not line.startswith(b"{")
+                if not line.startswith(b"{"):  # not a cut record: binary, or another format
+                    foreign = True
     require(records or not foreign, f"{path} has no JSON line: not a JSONL file?")
     if damaged:
         shown = ", ".join(map(str, damaged[:5])) + ", ..." * (len(damaged) > 5)
@@ -2050,7 +2061,10 @@ def main(argv=None):
     tuned_on = "continual" if args.setting == "mixed" else args.setting
     C, lr, source = paper_hparams(args.method, args.eps, tuned_on, args.clip)
     hp_note = {k: "given" if getattr(args, k) else source for k in ("clip", "lr")}
-    args.clip, args.lr = args.clip or C, args.lr or lr
+    if args.clip is None:
+        args.clip = C
+    if args.lr is None:
+        args.lr = lr
     gradient = METHODS[args.method].step in ("plain", "sam")
     require(args.lr or not gradient, f"{args.method}: {source}; pass --lr (and --clip for dp_)")
     require(
@@ -2097,7 +2111,7 @@ def main(argv=None):
             os.remove(state)
         raise
     except KeyboardInterrupt:
-        signum = (STOP or [signal.SIGINT])[0]
+        signum = STOP[0] if STOP else signal.SIGINT
         print(
             f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are in {args.out}, no final record (--resume goes on)",
             file=sys.stderr,
@@ -2164,14 +2178,14 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         model,
         args.method,
         eps=args.eps,
-        delta=args.delta or 1e-6,
+        delta=1e-6 if args.delta is None else args.delta,
         clip=args.clip,
         lr=args.lr,
         repeats=args.repeat * photo,
         privacy_unit=args.privacy_unit,
         seed=args.seed,
         noise_seed=args.noise_seed,
-        bn=args.bn or "train",
+        bn="train" if args.bn is None else args.bn,
         accumulate=args.accumulate,
         **hp,
     )
@@ -2197,7 +2211,9 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     print_header(args, adapter, ledger, hp_note)
     if adapter.bn_src and adapter.sigma > 0:
         print_norm_noise(adapter, args.batch_size * args.accumulate)  # a release's batch
-    n = min(min(len(ds) for ds in streams.values()), args.limit or math.inf)
+    n = min(len(ds) for ds in streams.values())
+    if args.limit is not None:
+        n = min(n, args.limit)
     if ledger["private"] and args.delta >= 1 / n:
         warn(f"δ = {args.delta:g} is not below 1/n = 1/{n} (n: a stream's images), the usual rule")
     sources = streams  # a run's units: each stream (mixed: all at once), each round
@@ -2442,7 +2458,7 @@ def summarize(path, per_corruption=False, error=False):
         for key, variant, runs in entries:
             label = str(key["method"]).removeprefix("dp_")
             if sum(e[1] == variant and e[0]["method"] == key["method"] for e in entries) > 1:
-                label += f" C={key['clip']} lr={key.get('lr')} {key.get('hp') or ''}"  # tuning
+                label += f" C={key['clip']} lr={key.get('lr')} {key.get('hp', '')}"  # tuning
             rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
         present = {v for _, v, _ in entries}
         columns = [c for c in order if c in present] + sorted(present - set(order))
@@ -2501,8 +2517,12 @@ def benchmark(args):
     check_common(args, "benchmark")
     check_out(args, "results-benchmark.jsonl")
     cuda = args.device == "cuda"
-    name = args.model or ("vit_base_patch16_224" if cuda else "vit_small_patch16_224")
-    B, acc = args.batch_size or (64 if cuda else 32), args.accumulate
+    name = args.model
+    if name is None:
+        name = "vit_base_patch16_224" if cuda else "vit_small_patch16_224"
+    B, acc = args.batch_size, args.accumulate
+    if B is None:
+        B = 64 if cuda else 32
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(args.device)
     check_batchnorm(model, f"--benchmark --model {name}", "dp_ and clip", args.bn)
@@ -2521,7 +2541,8 @@ def benchmark(args):
         )
         if acc > 1:
             specs[f"dp_{m} {B}x{acc}"] = (f"dp_{m}", dict(clip=1.0, eps=5.0, accumulate=acc))
-    wide_open = dict(WIDE_OPEN, lr=1e-5, bn=args.bn or "train")  # random weights: full steps
+    bn = "train" if args.bn is None else args.bn
+    wide_open = dict(WIDE_OPEN, lr=1e-5, bn=bn)  # random weights: full steps
     variants = {
         k: DPTTA(copy.deepcopy(model), method, **wide_open, **kw)
         for k, (method, kw) in specs.items()
@@ -2731,7 +2752,7 @@ def clip_of(adapter, width):
     """The adapter's clip norm (dp_norm: bn_scale·√width; no clip: inf)."""
     if adapter.bn_src:
         return adapter.hp["bn_scale"] * math.sqrt(width)
-    return adapter.clip or math.inf
+    return math.inf if adapter.clip is None else adapter.clip
 
 
 def audit_cli(args):
@@ -2744,9 +2765,10 @@ def audit_cli(args):
     private, norm = record.private, record.step == "norm"
     require(args.eps is None or private, f"--eps is for dp_ methods only, not {args.method}")
     require(record.step != "none", "--audit: source releases nothing")
-    delta, eps, kwargs = args.delta or 1e-6, args.eps, {}
+    delta = 1e-6 if args.delta is None else args.delta
+    eps, kwargs = args.eps, {}
     if private:
-        eps = args.eps or 5.0
+        eps = 5.0 if args.eps is None else args.eps
         kwargs = dict(eps=eps, delta=delta)
     claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
     torch.manual_seed(args.seed)
@@ -2770,7 +2792,10 @@ def audit_cli(args):
             num_heads=2,
             num_classes=10,
         )
-        kwargs.update(lr=args.lr or 0.1, clip=args.clip or (1.0 if private else None))
+        clip = args.clip
+        if clip is None and private:
+            clip = 1.0
+        kwargs.update(lr=0.1 if args.lr is None else args.lr, clip=clip)
         if not private:  # filters open: the canary is kept
             kwargs.update(WIDE_OPEN)
     adapter = or_fail(DPTTA, model.eval(), args.method, seed=args.seed, **kwargs)
