@@ -2172,37 +2172,23 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     """Opens every input, then adapts: records and saves after each stream, then the run."""
     streams, fisher_loader, model, config, lookup = open_run(args)
     hp = {k: v for k, v in args.hp.items() if k != "fisher_size"}
-    photo = len(streams) if args.privacy_unit == "photo" else 1
-    adapter = or_fail(
-        DPTTA,
-        model,
-        args.method,
-        eps=args.eps,
-        delta=1e-6 if args.delta is None else args.delta,
-        clip=args.clip,
-        lr=args.lr,
-        repeats=args.repeat * photo,
-        privacy_unit=args.privacy_unit,
-        seed=args.seed,
-        noise_seed=args.noise_seed,
-        bn="train" if args.bn is None else args.bn,
-        accumulate=args.accumulate,
-        **hp,
-    )
+    # the flags DPTTA takes as they are, then those the CLI counts or defaults for it
+    given = "eps clip lr privacy_unit seed noise_seed accumulate".split()
+    kwargs = {k: getattr(args, k) for k in given}
+    kwargs["repeats"] = args.repeat * (len(streams) if args.privacy_unit == "photo" else 1)
+    kwargs["delta"] = 1e-6 if args.delta is None else args.delta
+    kwargs["bn"] = "train" if args.bn is None else args.bn
+    adapter = or_fail(DPTTA, model, args.method, **kwargs, **hp)
     if adapter.bn_src:  # dp_norm: one release per layer, refused before the first image
         or_fail(adapter.check_releases, torch.zeros(1, *config["input_size"], device=args.device))
     if fisher_loader is not None:
-        print(
-            f"EATA's Fisher information on {len(fisher_loader.dataset)} clean images ...",
-            flush=True,
-        )
+        n = len(fisher_loader.dataset)
+        print(f"EATA's Fisher information on {n} clean images ...", flush=True)
         clean = (
             x.to(args.device) for x, _, _ in progress(fisher_loader, "Fisher") if x is not None
         )
         with autocast(args):
-            adapter.hp["fisher"] = fisher_information(
-                model, adapter.params, clean, len(fisher_loader.dataset)
-            )
+            adapter.hp["fisher"] = fisher_information(model, adapter.params, clean, n)
     elif "fisher" in adapter.hp:
         warn(f"{args.method} without --fisher-data: no anti-forgetting penalty")
     ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat, args.privacy_unit)
@@ -2219,17 +2205,8 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     sources = streams  # a run's units: each stream (mixed: all at once), each round
     if args.setting == "mixed":
         sources = {"mixed": or_fail(Mixed, streams)}
-    run = dict(
-        key=key,
-        run_id=uuid.uuid4().hex,
-        rounds=[{} for _ in range(args.repeat)],
-        drift={},
-        done=[],
-        records=[],
-        images=0,
-        unreadable=[],
-        wall=0.0,
-    )
+    run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
+    run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine)
     start = time.time() - run["wall"]
@@ -2241,15 +2218,9 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
             continue
         if args.setting == "episodic":
             adapter.reset()
-        loader = image_stream(
-            sources[name],
-            args.batch_size,
-            seed=args.seed + r,
-            workers=args.workers,
-            limit=args.limit,
-            order=args.order,
-            pin_memory=args.device == "cuda",
-        )
+        stream = dict(workers=args.workers, limit=args.limit, order=args.order)
+        stream["pin_memory"] = args.device == "cuda"
+        loader = image_stream(sources[name], args.batch_size, seed=args.seed + r, **stream)
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
         correct, scored, bad = stream_through(
             adapter, loader, label, args=args, lookup=lookup, groups=len(groups)
@@ -2259,24 +2230,11 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         run["drift"][label] = drift = drift_of(adapter)
         moved = "" if drift is None else f" | {DRIFT_LABEL[bool(adapter.bn_src)]} {drift:.4f}"
         note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
-        records = []
+        records, common = [], dict(mode="corruption", run_id=run["run_id"], key=key, round=r + 1)
         for c, hits, images in zip(groups, correct, scored):
             run["rounds"][r][c] = top1 = 100 * hits / max(images, 1)
-            records.append(
-                dict(
-                    mode="corruption",
-                    run_id=run["run_id"],
-                    key=key,
-                    corruption=c,
-                    round=r + 1,
-                    accuracy=top1,
-                    error=100 - top1,
-                    images=images,
-                    skipped=len(bad),
-                    drift=drift,
-                    smoke=bool(args.synthetic),
-                )
-            )
+            record = dict(common, corruption=c, accuracy=top1, error=100 - top1, images=images)
+            records.append(dict(record, skipped=len(bad), drift=drift, smoke=bool(args.synthetic)))
             print(
                 f"{c:<18} top-1 {top1:5.1f}% | {images} images | {rate(images, time.time() - t0)}{moved}{note}",
                 flush=True,
@@ -2324,35 +2282,17 @@ def finish(args, run, streams, adapter, ledger, hp_note, start):
     under `rounds`, the forgetting curve), the key, the ledger, the settings."""
     accuracy = {c: float(np.mean([acc[c] for acc in run["rounds"]])) for c in streams}
     mean, wall, images = sum(accuracy.values()) / len(accuracy), time.time() - start, run["images"]
-    record = dict(
-        mode="adapt",
-        run_id=run["run_id"],
-        key=run["key"],
-        settings=dict(vars(args)),
-        method=args.method,
-        eps=args.eps,
-        clip=adapter.clip,
-        lr=adapter.lr,
-        hp=args.hp,
-        setting=args.setting,
-        seed=args.seed,
-        hparam_source=hp_note,
-        ledger=ledger,
-        smoke=bool(args.synthetic),
-        device=args.device,
-        dtype=args.dtype,
-        versions={"torch": torch.__version__, "timm": timm.__version__},
-        accuracy=accuracy,
-        error={c: 100 - a for c, a in accuracy.items()},
-        drift=run["drift"],
-        mean=mean,
-        images=images,
-        skipped=len(run["unreadable"]),
-        unreadable=run["unreadable"],
-        images_per_s=images / wall,
-        wall_s=wall,
-        time=time.strftime("%Y-%m-%dT%H:%M:%S"),
-    )
+    record = dict(mode="adapt", run_id=run["run_id"], key=run["key"], settings=dict(vars(args)))
+    # the run: what ran, with which privacy, where
+    record.update(method=args.method, eps=args.eps, clip=adapter.clip, lr=adapter.lr, hp=args.hp)
+    record.update(setting=args.setting, seed=args.seed, hparam_source=hp_note, ledger=ledger)
+    record.update(smoke=bool(args.synthetic), device=args.device, dtype=args.dtype)
+    record["versions"] = {"torch": torch.__version__, "timm": timm.__version__}
+    # what it measured
+    error = {c: 100 - a for c, a in accuracy.items()}
+    record.update(accuracy=accuracy, error=error, drift=run["drift"], mean=mean, images=images)
+    record.update(skipped=len(run["unreadable"]), unreadable=run["unreadable"])
+    record.update(images_per_s=images / wall, wall_s=wall, time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     if args.repeat > 1:
         record["rounds"] = [
             dict(accuracy=acc, mean=float(np.mean(list(acc.values())))) for acc in run["rounds"]
@@ -2516,37 +2456,28 @@ def benchmark(args):
     per K, beside the batch of B·K."""
     check_common(args, "benchmark")
     check_out(args, "results-benchmark.jsonl")
-    cuda = args.device == "cuda"
-    name = args.model
+    cuda, name, B, acc = args.device == "cuda", args.model, args.batch_size, args.accumulate
     if name is None:
         name = "vit_base_patch16_224" if cuda else "vit_small_patch16_224"
-    B, acc = args.batch_size, args.accumulate
     if B is None:
         B = 64 if cuda else 32
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(args.device)
     check_batchnorm(model, f"--benchmark --model {name}", "dp_ and clip", args.bn)
     config = timm.data.resolve_data_config({}, model=model)
-    x = torch.randn(
-        B * acc, *config["input_size"], generator=torch.Generator().manual_seed(args.seed)
-    ).to(args.device)
+    shape, generator = (B * acc, *config["input_size"]), torch.Generator().manual_seed(args.seed)
+    x = torch.randn(shape, generator=generator).to(args.device)
     specs = dict(source=("source", {}))  # row -> (method, its arguments)
-    for m in (o.name for o in ORIGINALS):
-        specs.update(
-            {
-                m: (m, {}),
-                f"{m} clip": (m, dict(clip=1.0)),
-                f"dp_{m}": (f"dp_{m}", dict(clip=1.0, eps=5.0)),
-            }
-        )
+    for m in BASES:
+        specs[m] = (m, {})
+        specs[f"{m} clip"] = (m, dict(clip=1.0))
+        specs[f"dp_{m}"] = (f"dp_{m}", dict(clip=1.0, eps=5.0))
         if acc > 1:
             specs[f"dp_{m} {B}x{acc}"] = (f"dp_{m}", dict(clip=1.0, eps=5.0, accumulate=acc))
-    bn = "train" if args.bn is None else args.bn
-    wide_open = dict(WIDE_OPEN, lr=1e-5, bn=bn)  # random weights: full steps
-    variants = {
-        k: DPTTA(copy.deepcopy(model), method, **wide_open, **kw)
-        for k, (method, kw) in specs.items()
-    }
+    wide_open = dict(WIDE_OPEN, lr=1e-5, bn="train" if args.bn is None else args.bn)
+    variants = {}  # random weights: every filter open, full steps
+    for row, (method, kwargs) in specs.items():
+        variants[row] = DPTTA(copy.deepcopy(model), method, **wide_open, **kwargs)
 
     def step(adapter):  # a window: the batch, or B at a time (accumulate)
         with autocast(args):
@@ -2555,71 +2486,51 @@ def benchmark(args):
         if cuda:
             torch.cuda.synchronize()
 
-    times, peak = {k: [] for k in variants}, {}
+    times, peak = {row: [] for row in variants}, {}
     with warnings.catch_warnings(record=True) as caught:  # the library warns of a per-sample loop
         warnings.simplefilter("always")
-        for k, adapter in variants.items():  # a warm-up; on CUDA, the peak memory
+        for row, adapter in variants.items():  # a warm-up; on CUDA, the peak memory
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             step(adapter)
-            peak[k] = torch.cuda.max_memory_allocated() / 2**20 if cuda else math.nan
+            peak[row] = torch.cuda.max_memory_allocated() / 2**20 if cuda else math.nan
         for _ in range(args.rounds):
-            for k, adapter in variants.items():
+            for row, adapter in variants.items():
                 t = time.perf_counter()
                 step(adapter)
-                times[k].append(time.perf_counter() - t)
-    loops = sorted(
-        {str(w.message).split()[0] for w in caught if "has no vmap rule" in str(w.message)}
-    )
-    for k, adapter in variants.items():  # a NaN would have timed NaN steps
-        stop_unless_finite(adapter, f"--benchmark's {k} steps")
-    n = B * acc
-    print(
-        f"benchmark | {name} | batch {n} | {args.device} | {args.dtype} | median of {args.rounds} interleaved rounds"
-    )
-    print(
-        f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}   (ratio: / the plain method, an accumulate row / its dp_ row; peak: CUDA max allocated)"
-    )
-    rows = []
-    for k, adapter in variants.items():
-        ms = 1000 * float(np.median(times[k]))
-        plain = k.split()[0] if adapter.accumulate > 1 else k.split()[0].removeprefix("dp_")
-        ratio = ms / (1000 * float(np.median(times[plain])))
-        rows.append(
-            dict(variant=k, ms=ms, images_per_s=1000 * n / ms, ratio=ratio, peak_mib=peak[k])
-        )
-        shown = "-" if math.isnan(peak[k]) else f"{peak[k]:.1f}"
-        print(f"{k:<16}{ms:>10.1f}{1000 * n / ms:>9.1f}{ratio:>8.2f}{shown:>10}")
-    print(
-        f"vmap fallbacks: {len(loops)} (ops looping over samples; must be 0){': ' if loops else ''}{', '.join(loops)}"
-    )
+                times[row].append(time.perf_counter() - t)
+    loops = sorted({str(w.message).split()[0] for w in caught if "no vmap rule" in str(w.message)})
+    for row, adapter in variants.items():  # a NaN would have timed NaN steps
+        stop_unless_finite(adapter, f"--benchmark's {row} steps")
+    n, rounds = B * acc, f"median of {args.rounds} interleaved rounds"
+    print(f"benchmark | {name} | batch {n} | {args.device} | {args.dtype} | {rounds}")
+    columns = f"{'variant':<16}{'ms/step':>10}{'img/s':>9}{'ratio':>8}{'peak MiB':>10}"
+    print(f"{columns}   (ratio: / the plain method, an accumulate row / its dp_ row; peak: CUDA)")
+    rows, ms = [], {row: 1000 * float(np.median(t)) for row, t in times.items()}
+    for row, adapter in variants.items():
+        plain = row.split()[0]  # an accumulate row's plain: its dp_ row
+        if adapter.accumulate == 1:
+            plain = plain.removeprefix("dp_")
+        ratio, shown = ms[row] / ms[plain], "-" if math.isnan(peak[row]) else f"{peak[row]:.1f}"
+        rows.append(dict(variant=row, ms=ms[row], images_per_s=1000 * n / ms[row], ratio=ratio))
+        rows[-1]["peak_mib"] = peak[row]
+        print(f"{row:<16}{ms[row]:>10.1f}{1000 * n / ms[row]:>9.1f}{ratio:>8.2f}{shown:>10}")
+    print(f"vmap fallbacks: {len(loops)} (ops looping over samples; must be 0) {' '.join(loops)}")
     with tempfile.TemporaryDirectory(prefix="dptta-bench-") as tree:
         make_synthetic_tree(tree, ["gaussian_noise"], 5, 4 * B, size=375)
-        ds = WnidFolder(
-            os.path.join(tree, "gaussian_noise", "5"), timm.data.create_transform(**config)
-        )
-        loader = image_stream(ds, B, seed=args.seed, workers=args.workers, pin_memory=cuda)
+        transform = timm.data.create_transform(**config)
+        images = WnidFolder(os.path.join(tree, "gaussian_noise", "5"), transform)
+        loader = image_stream(images, B, seed=args.seed, workers=args.workers, pin_memory=cuda)
         t = time.perf_counter()
         loader_rate = sum(len(xb) for xb, _, _ in loader) / (time.perf_counter() - t)
-    fastest = max(r["images_per_s"] for r in rows[1:])
+    fastest = max(row["images_per_s"] for row in rows[1:])
     print(
         f"loader: {loader_rate:.0f} img/s (375x375 JPEG, timm transform, {args.workers} workers); the fastest step above takes {fastest:.0f} img/s"
     )
-    append_jsonl(
-        args.out,
-        dict(
-            mode="benchmark",
-            model=name,
-            batch=n,
-            device=args.device,
-            dtype=args.dtype,
-            rounds=args.rounds,
-            rows=rows,
-            vmap_fallbacks=len(loops),
-            loader_images_per_s=loader_rate,
-            versions={"torch": torch.__version__},
-        ),
-    )
+    result = dict(mode="benchmark", model=name, batch=n, device=args.device, dtype=args.dtype)
+    result.update(rounds=args.rounds, rows=rows, vmap_fallbacks=len(loops))
+    result.update(loader_images_per_s=loader_rate, versions={"torch": torch.__version__})
+    append_jsonl(args.out, result)
     print(f"appended to {args.out}")
     return 0
 
@@ -2755,6 +2666,17 @@ def clip_of(adapter, width):
     return math.inf if adapter.clip is None else adapter.clip
 
 
+AUDIT_VIT = dict(img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2, num_classes=10)
+
+
+def audit_model(norm):
+    """The audit's own tiny random network: a BatchNorm CNN for dp_norm, else a ViT."""
+    if norm:
+        layers = [nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1)]
+        return nn.Sequential(*layers, nn.Flatten(), nn.Linear(8, 10))
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **AUDIT_VIT)
+
+
 def audit_cli(args):
     """White-box and end-to-end ε_lb of --method at --eps, on a tiny random ViT (dp_norm: a
     BatchNorm CNN, white-box only)."""
@@ -2765,33 +2687,17 @@ def audit_cli(args):
     private, norm = record.private, record.step == "norm"
     require(args.eps is None or private, f"--eps is for dp_ methods only, not {args.method}")
     require(record.step != "none", "--audit: source releases nothing")
-    delta = 1e-6 if args.delta is None else args.delta
-    eps, kwargs = args.eps, {}
+    eps, delta, kwargs = args.eps, args.delta, {}
+    if delta is None:
+        delta = 1e-6
+    if private and eps is None:
+        eps = 5.0
     if private:
-        eps = 5.0 if args.eps is None else args.eps
         kwargs = dict(eps=eps, delta=delta)
     claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
     torch.manual_seed(args.seed)
-    if norm:
-        model = nn.Sequential(
-            nn.Conv2d(3, 8, 3, 1, 1),
-            nn.BatchNorm2d(8),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(8, 10),
-        )
-    else:
-        model = timm.create_model(
-            "vit_tiny_patch16_224",
-            pretrained=False,
-            img_size=32,
-            patch_size=8,
-            depth=2,
-            embed_dim=32,
-            num_heads=2,
-            num_classes=10,
-        )
+    model = audit_model(norm)
+    if not norm:
         clip = args.clip
         if clip is None and private:
             clip = 1.0
@@ -2801,65 +2707,44 @@ def audit_cli(args):
     adapter = or_fail(DPTTA, model.eval(), args.method, seed=args.seed, **kwargs)
     x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(args.seed))
     t0 = time.time()
-    games = [
-        (
-            "white-box ",
-            audit(adapter, x, trials=args.trials, seed=args.seed),
-            args.trials,
-            time.time() - t0,
-            "",
-        )
-    ]
+    lb = audit(adapter, x, trials=args.trials, seed=args.seed)
+    games = {"white-box": dict(eps_lb=lb, trials=args.trials, seconds=time.time() - t0)}
+    notes = {"white-box": ""}
     if not norm:  # end to end: a crafted pair, C below both gradients (both clipped)
         t0, pair = time.time(), craft_canaries(adapter, (3, 32, 32), seed=args.seed)
         if adapter.clip is not None and args.clip is None:  # well below both, whatever the shuffle
-            adapter.clip = (
-                0.25
-                * torch.cat([flat_sample_grads(adapter, pair) for _ in range(8)])
-                .norm(dim=1)
-                .min()
-                .item()
-            )
-        g, note = flat_sample_grads(adapter, pair), "; no clip"
+            norms = torch.cat([flat_sample_grads(adapter, pair) for _ in range(8)]).norm(dim=1)
+            adapter.clip = 0.25 * norms.min().item()
+        g, notes["end-to-end"] = flat_sample_grads(adapter, pair), "; no clip"
         if adapter.clip:  # g_i·min(1, C/‖g_i‖)
             g = g * (adapter.clip / g.norm(dim=1, keepdim=True)).clamp(max=1)
-            note = f"; the crafted pair is {(g[0] - g[1]).norm() / (2 * adapter.clip):.2f}·2C apart, C = {adapter.clip:.3g}"
+            apart = (g[0] - g[1]).norm() / (2 * adapter.clip)
+            notes["end-to-end"] = (
+                f"; the crafted pair is {apart:.2f}·2C apart, C = {adapter.clip:.3g}"
+            )
         lb = audit(adapter, x, pair[0], pair[1], trials=args.e2e_trials)
-        games.append(("end-to-end", lb, args.e2e_trials, time.time() - t0, note))
-    claimed = (
-        f"claimed ε = {eps:g} at δ = {delta:g}, σ = {adapter.sigma:.4f}"
-        if claim
-        else "NOT PRIVATE: no noise, no claim"
-    )
+        games["end-to-end"] = dict(eps_lb=lb, trials=args.e2e_trials, seconds=time.time() - t0)
+    claimed = "NOT PRIVATE: no noise, no claim"
+    if claim:
+        claimed = f"claimed ε = {eps:g} at δ = {delta:g}, σ = {adapter.sigma:.4f}"
     print(f"audit | {args.method} | {claimed}")
-    for name, lb, n, seconds, note in games:
+    for name, game in games.items():
+        n, lb = game["trials"], game["eps_lb"]
         top = epsilon_lower_bound(np.ones(n), np.zeros(n), delta)
         limited = f" (≥: limited by {n} trials, never confused)" if lb >= top - 1e-9 else ""
         ratio = f", ε_lb/ε = {lb / eps:.2f}" if claim else ""
         print(
-            f"{name}: ε_lb = {lb:.3f} at 95% confidence{limited}{ratio}; {n} trials per world, {seconds:.0f} s{note}"
+            f"{name:<10}: ε_lb = {lb:.3f} at 95% confidence{limited}{ratio}; {n} trials per world, {game['seconds']:.0f} s{notes[name]}"
         )
     if not claim:
         print(f"{args.method} is not private: its releases tell the two worlds apart")
     print(
         "ε_lb via μ-GDP (Nasr et al. 2023; a Gaussian trade-off curve): above the claim shows a bug; below it proves nothing"
     )
-    held = not claim or all(lb <= eps for _, lb, *_ in games)
-    games = {name.strip(): dict(eps_lb=lb, trials=n, seconds=s) for name, lb, n, s, _ in games}
-    append_jsonl(
-        args.out,
-        dict(
-            mode="audit",
-            method=args.method,
-            eps=eps,
-            delta=delta,
-            sigma=adapter.sigma,
-            private=claim,
-            clip=adapter.clip,
-            claim_held=held,
-            games=games,
-        ),
-    )
+    held = not claim or all(game["eps_lb"] <= eps for game in games.values())
+    result = dict(mode="audit", method=args.method, eps=eps, delta=delta, sigma=adapter.sigma)
+    result.update(private=claim, clip=adapter.clip, claim_held=held, games=games)
+    append_jsonl(args.out, result)
     return int(not held)  # 1: a lower bound above the claim
 
 
