@@ -1881,51 +1881,42 @@ def print_header(args, adapter, ledger, hp_note):
     print(f"dptta | {args.method} | {args.model} | {where} | {args.dtype}")
     if args.synthetic:
         weights = "checkpoint" if args.checkpoint else "random"
-        print(
-            f"SMOKE RUN: {args.synthetic} random images per corruption, {weights} weights: accuracy is chance"
-        )
-    print(
-        f"data: {args.data} | {args.dataset} severity {args.severity} | {len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size} | seed {args.seed}{wild(vars(args))}"
-    )
-    what = f"C = {adapter.clip:g} [{hp_note['clip']}]" if adapter.clip else ""
-    released = "adapted θ"
-    if isinstance(adapter, DPNorm) and adapter.method.private:  # σ_l = √L·σ each
-        what = f"L = {adapter.releases} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}, moments clipped to {adapter.hp['bn_scale']:g}·√(2·channels)"
-        released = f"the {adapter.releases} layers' BatchNorm statistics"
+        print(f"SMOKE RUN: {args.synthetic} random images per corruption, {weights} weights")
+    streams = f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size}"
+    print(f"data: {args.data} | {args.dataset} severity {args.severity} | {streams}")
+    print(f"  seed {args.seed}{wild(vars(args))}")
+    what, released = "", "adapted θ"
+    if adapter.clip:
+        what = f"C = {adapter.clip:g} [{hp_note['clip']}]"
+    if adapter.bn_src:  # dp_norm: σ_l = √L·σ for each of its L layers
+        L, scale = adapter.releases, adapter.hp["bn_scale"]
+        what = f"L = {L} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}"
+        what += f", moments clipped to {scale:g}·√(2·channels)"
+        released = f"the {L} layers' BatchNorm statistics"
     if ledger["private"]:
-        print(
-            "privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step (μ = 2/σ = {mu_per_step:.4f}-GDP), {what}".format(
-                **ledger, what=what
-            )
-        )
-        print(
-            "  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = {eps_per_test_image:.3g} | per photo ({streams} stream(s) x {rounds} round(s)): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}".format(
-                **ledger
-            )
-        )
-        print(
-            f"  unit: {ledger['unit']}; released: {released} and every prediction for other images"
-        )
+        line = "privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step"
+        print(line.format(**ledger) + f" (μ = 2/σ = {ledger['mu_per_step']:.4f}-GDP), {what}")
+        line = "  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = {eps_per_test_image:.3g}"
+        print(line.format(**ledger))
+        line = "  per photo ({streams} stream(s) x {rounds} round(s)): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}"
+        print(line.format(**ledger))
+        print(f"  unit: {ledger['unit']}; released: {released} and every other image's prediction")
         if ledger["noise"] == "secret":
-            print(
-                "  noise: secret, from OS entropy (the state file holds its generator: keep it as private as the data)"
-            )
+            print("  noise: secret, from OS entropy; the state file holds it: keep it private")
         else:
-            print(
-                f"  noise: NOT SECRET: replayed from --noise-seed {adapter.noise_seed}; {ledger['note']}"
-            )
+            print(f"  noise: NOT SECRET: replayed from --noise-seed {adapter.noise_seed}")
+            print(f"  ({ledger['note']})")
     elif ledger.get("clip_only"):
         print(f"privacy: NONE: clip only (eps = inf), not private; {what}")
+    elif args.method != "source" and what:
+        print(f"not private; per-sample clip {what}")
     elif args.method != "source":
-        print(f"not private; {'per-sample clip ' + what if what else 'no clipping'}")
+        print("not private; no clipping")
     if adapter.params:
-        n, hp = (
-            sum(p.numel() for p in adapter.params.values()),
-            "".join(f" | {k}={v:g}" for k, v in args.hp.items()),
-        )
-        print(
-            f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9 | adapting {len(adapter.params)} tensors, {n:,} scalars{hp}"
-        )
+        n = sum(p.numel() for p in adapter.params.values())
+        hp = "".join(f" | {k}={v:g}" for k, v in args.hp.items())
+        print(f"lr {adapter.lr:g} [{hp_note['lr']}] | SGD momentum 0.9{hp}")
+        print(f"  adapting {len(adapter.params)} tensors, {n:,} scalars")
     if ledger.get("bn") == "private statistics":
         print(f"BatchNorm: private statistics in {adapter.releases} layer(s), the others frozen")
     elif "bn" in ledger:
@@ -1937,18 +1928,17 @@ def print_norm_noise(adapter, batch_size):
     long average; a warning where it exceeds what the average can carry in every layer."""
     release, average = [], []
     for mean, _ in adapter.bn_src.values():
-        tau2 = release_noise(
-            adapter.sigma, adapter.hp["bn_scale"] * math.sqrt(2 * len(mean)), batch_size
-        )
+        c = adapter.hp["bn_scale"] * math.sqrt(2 * len(mean))
+        tau2 = release_noise(adapter.sigma, c, batch_size)
         gain = norm_gain(tau2)
         release.append(math.sqrt(tau2))
-        average.append(math.sqrt(tau2 * gain / (2 - gain)))
-    print(
-        f"DP-Norm noise per coordinate (z units): per release {min(release):.3g}-{max(release):.3g}, of the average {min(average):.3g}-{max(average):.3g}; shifts below it stay at the source's statistics"
-    )
-    if min(average) > NORM_HOPELESS:
+        average.append(math.sqrt(tau2 * gain / (2 - gain)))  # the steady noise of the average
+    least, spread = min(average), f"{min(release):.3g}-{max(release):.3g}"
+    print(f"DP-Norm noise per coordinate (z units): per release {spread},", end=" ")
+    print(f"of the average {least:.3g}-{max(average):.3g}; shifts below it stay at the source")
+    if least > NORM_HOPELESS:
         warn(
-            f"dp_norm's averaged statistics carry noise of at least {min(average):.3g} per coordinate in every layer: it will stay near the source statistics (larger batches, a larger ε or fewer --hp bn_layers help)"
+            f"dp_norm's averaged statistics carry noise of at least {least:.3g} per coordinate in every layer: it will stay near the source statistics (larger batches, a larger ε or fewer --hp bn_layers help)"
         )
 
 
