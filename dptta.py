@@ -724,23 +724,25 @@ class DPTTA(nn.Module):
         the data (whoever reads it replays the noise): load it into one adapter only. EATA's
         fisher is an input, not a state: pass it again to the adapter that loads."""
         self.__getstate__()  # (a pending window refuses a checkpoint too)
-        state = dict(who=(self.method.name, self.sigma), theta=(dict(self.params), self.theta0))
+        state = dict(who=self._identity(), theta=(dict(self.params), self.theta0))
         state["opt"] = None if self.opt is None else self.opt.state_dict()
         state["generators"] = self.noise_gen.get_state(), self.shuffle_gen.get_state()
         return dict(state, state=self.state)
 
     def set_extra_state(self, state):
-        (name, sigma), mine = state["who"], f"{self.method.name} (σ = {self.sigma:.4g})"
-        need(
-            (name, sigma) == (self.method.name, self.sigma),
-            f"a checkpoint of {name} (σ = {sigma:.4g}) cannot resume {mine}",
-        )
+        mine = self._identity()
+        need(state["who"] == mine, f"a checkpoint of {state['who']} cannot resume {mine}")
         self._set_theta(*state["theta"])
         if self.opt is not None:
             self.opt.load_state_dict(state["opt"])
         self.state = state["state"]
         self.noise_gen.set_state(state["generators"][0])
         self.shuffle_gen.set_state(state["generators"][1])
+
+    def _identity(self):
+        """What a checkpoint must match: the method, σ, C, lr and the constants (not fisher)."""
+        hp = {k: v for k, v in self.hp.items() if k != "fisher"}
+        return f"{self.method.name} (σ = {self.sigma!r}, C = {self.clip}, lr = {self.lr}, {hp})"
 
     def reset(self):
         """Back to the source: θ, a fresh optimizer, the method's state; a pending window is

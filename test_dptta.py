@@ -929,7 +929,7 @@ def test_two_adapters_on_one_model_are_refused():
 def test_state_dict_resumes_the_run_and_its_noise_exactly():
     """A checkpoint (torch.save of state_dict) resumes θ, θ0, momentum, the method's state and
     the noise generator where it stood: step 3 after a load equals step 3 of the unbroken run,
-    so no noise is drawn twice. A checkpoint of another method or σ is refused."""
+    so no noise is drawn twice. A checkpoint of another method, σ, C, lr or constant is refused."""
     for method in ("dp_sar", "dp_deyo", "eata"):
         xs = [images(6, s) for s in range(3)]
         a = dptta.DPTTA(tiny_vit(), method, **kw(method, seed=3, d_margin=2.0, e_margin=2.0))
@@ -945,6 +945,10 @@ def test_state_dict_resumes_the_run_and_its_noise_exactly():
     c = dptta.DPTTA(tiny_vit(), "dp_tent", eps=1, clip=1.0, lr=0.1)
     with pytest.raises(ValueError, match="cannot resume"):
         c.load_state_dict(torch.load(path))
+    for other in (dict(clip=2.0), dict(lr=0.2), dict(e_margin=0.3)):  # eata's σ = 0, another run
+        d = dptta.DPTTA(tiny_vit(), "eata", **kw("eata", **{**dict(seed=3, d_margin=2.0, e_margin=2.0), **other}))
+        with pytest.raises(ValueError, match="cannot resume"):
+            d.load_state_dict(torch.load(path))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
