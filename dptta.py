@@ -1475,13 +1475,8 @@ def parse_args(argv=None):
     g("--privacy-unit", default="image", choices=("image", "photo"), help="photo: σ·√streams")
     g("--clip", type=positive, help="per-sample clip C (default: paper's); originals: clip-only")
     g("--lr", type=positive, help="SGD learning rate (default: paper's)")
-    g(
-        "--hp",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help=f"a method constant: {', '.join(HP_TYPES)}",
-    )
+    constants = f"a method constant: {', '.join(HP_TYPES)}"
+    g("--hp", action="append", default=[], metavar="NAME=VALUE", help=constants)
     g("--noise-seed", type=number(int, 0, 2**63 - 1), help="replay the noise: NOT private")
     g = ap.add_argument_group("data").add_argument
     g("--data", default=os.environ.get("IMAGENET_C"), help="root (default $IMAGENET_C)")
@@ -1499,12 +1494,8 @@ def parse_args(argv=None):
     g("--amp", default="bf16", choices=("bf16", "off"), help="bf16 autocast on CUDA")
     g("--bn", choices=("train", "source"), help="BatchNorm: test batch or source statistics")
     g = ap.add_argument_group("run").add_argument
-    g(
-        "--setting",
-        default="continual",
-        choices=("continual", "episodic", "mixed"),
-        help="episodic: reset before each corruption; mixed: all in one stream",
-    )
+    settings = "episodic: reset before each corruption; mixed: all in one stream"
+    g("--setting", default="continual", choices=("continual", "episodic", "mixed"), help=settings)
     g("--order", default="random", help="random, class or dirichlet:ALPHA")
     g("--repeat", type=number(int, 1), default=1, help="stream the corruptions N times")
     g("--accumulate", type=number(int, 1), default=1, help="a step per K batches")
@@ -1565,15 +1556,10 @@ def check_args(args):
     if private and args.eps is None:
         args.eps = 5.0
     noisy = private and math.isfinite(args.eps)  # a flag that changes nothing: refused
-    for flag in ("delta", "noise_seed"):
-        require(
-            getattr(args, flag) is None or noisy,
-            f"--{flag.replace('_', '-')} applies to a dp_ method with a finite --eps",
-        )
-    require(
-        args.privacy_unit == "image" or noisy,
-        "--privacy-unit photo applies to a dp_ method with a finite --eps",
-    )
+    given = {"--delta": args.delta is not None, "--noise-seed": args.noise_seed is not None}
+    given["--privacy-unit photo"] = args.privacy_unit == "photo"
+    for flag, used in given.items():
+        require(not used or noisy, f"{flag} applies to a dp_ method with a finite --eps")
     if noisy and args.delta is None:
         args.delta = 1e-6
     require(
@@ -1606,11 +1592,9 @@ def check_args(args):
         args.model = DEFAULT_MODEL
     args.corruptions = [c for c in args.corruptions.split(",") if c]
     require(args.corruptions, "--corruptions is empty")
-    for c in args.corruptions:
-        require(
-            c in CORRUPTIONS + HELD_OUT,
-            f"unknown corruption {c!r}; one of {', '.join(CORRUPTIONS + HELD_OUT)}",
-        )
+    known = CORRUPTIONS + HELD_OUT
+    unknown = [c for c in args.corruptions if c not in known] + [None]
+    require(unknown[0] is None, f"unknown corruption {unknown[0]!r}; one of {', '.join(known)}")
     require(len(set(args.corruptions)) == len(args.corruptions), "--corruptions repeats one")
     if args.dataset == "imagenet_r":
         require(not args.synthetic, "--synthetic makes ImageNet-C trees, not ImageNet-R")
@@ -2355,13 +2339,14 @@ def summarize(path, per_corruption=False, error=False):
     one row per method: its non-private, clip-only and ε columns side by side."""
     records, unreadable = [], []
     for n, r in read_jsonl(path, "--summarize"):
-        if r.get("mode") in ("adapt", "corruption"):  # not --benchmark's or --audit's
-            (records if readable(r) else unreadable).append(r if readable(r) else n)
+        if r.get("mode") in ("adapt", "corruption") and readable(r):
+            records.append(r)
+        elif r.get("mode") in ("adapt", "corruption"):  # (not --benchmark's or --audit's)
+            unreadable.append(n)
     if unreadable:
-        shown = ", ".join(map(str, unreadable[:5]))
-        warn(
-            f"{path}: skipped {len(unreadable)} record(s) lacking fields or finite numbers (line(s) {shown})"
-        )
+        lines = ", ".join(map(str, unreadable[:5]))
+        why = "lacking fields or finite numbers"
+        warn(f"{path}: skipped {len(unreadable)} record(s) {why} (line(s) {lines})")
     finals = [r for r in records if r["mode"] == "adapt"]
     done = [r["key"] for r in finals]  # a dead run rerun to the end: done
     unfinished = {}  # run_id -> the corruption records of a run with no final record
@@ -2371,44 +2356,15 @@ def summarize(path, per_corruption=False, error=False):
     full = [r for r in finals if not r.get("smoke") and r["key"].get("limit") is None]
     tables, duplicates = {}, 0  # table -> cell (the key but the seed) -> {seed: latest record}
     for r in full:
-        key, seed = r["key"], r["key"]["seed"]
-        table = json.dumps({k: v for k, v in key.items() if k not in PER_CELL}, sort_keys=True)
-        group = tables.setdefault(table, {}).setdefault(
-            json.dumps(dict(key, seed=None), sort_keys=True), {}
-        )
-        duplicates += seed in group
-        group[seed] = r
-    what = "error %" if error else "top-1 %"
-    order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in TUNED_EPS]
+        table = json.dumps({k: v for k, v in r["key"].items() if k not in PER_CELL}, sort_keys=True)
+        cell_key = json.dumps(dict(r["key"], seed=None), sort_keys=True)
+        seeds = tables.setdefault(table, {}).setdefault(cell_key, {})
+        duplicates += r["key"]["seed"] in seeds
+        seeds[r["key"]["seed"]] = r
     for table, cells in tables.items():
-        k, rows = json.loads(table), {}
-        runs_of = [list(group.values()) for group in cells.values()]
-        entries = [(runs[0]["key"], variant_of(runs[0]["key"]), runs) for runs in runs_of]
-        print(
-            f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions | mean {what} over seeds"
-        )
-        for key, variant, runs in entries:
-            label = str(key["method"]).removeprefix("dp_")
-            if sum(e[1] == variant and e[0]["method"] == key["method"] for e in entries) > 1:
-                label += f" C={key['clip']} lr={key.get('lr')} {key.get('hp', '')}"  # tuning
-            rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
-        present = {v for _, v, _ in entries}
-        columns = [c for c in order if c in present] + sorted(present - set(order))
-        width = max(22, *(len(v) + 2 for row in rows.values() for v in row.values()))
-        print(f"{'method':<14}" + "".join(f"{c:>{width}}" for c in columns))
-        for label in sorted(rows, key=method_rank):
-            print(f"{label:<14}" + "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns))
+        print_table(json.loads(table), [list(s.values()) for s in cells.values()], error)
         if per_corruption:
-            print(f"per corruption, {what}:")
-            for key, variant, runs in entries:
-                per = {
-                    c: cell([r["accuracy"][c] for r in runs if c in r["accuracy"]], error)
-                    for c in runs[0]["accuracy"]
-                }
-                print(
-                    f"  {key['method']} {variant}: "
-                    + " | ".join(f"{c} {v}" for c, v in per.items())
-                )
+            print_per_corruption([list(s.values()) for s in cells.values()], error)
     if duplicates:
         print(f"\n{duplicates} record(s) repeat the seed of an earlier one: latest used")
     others = [r for r in finals if r not in full]
@@ -2424,12 +2380,45 @@ def summarize(path, per_corruption=False, error=False):
         print("\nunfinished runs (no final record; finished corruptions only):")
     for rs in unfinished.values():
         key, shown = rs[0]["key"], ", ".join(f"{r['corruption']} {r['accuracy']:.1f}" for r in rs)
-        print(
-            f"  {key['method']} eps={key['eps']} seed {key['seed']}: {len(rs)}/{len(key['corruptions'])} corruptions: {shown}"
-        )
+        done = f"{len(rs)}/{len(key['corruptions'])} corruptions"
+        print(f"  {key['method']} eps={key['eps']} seed {key['seed']}: {done}: {shown}")
     if not finals and not unfinished:
         print(f"no adaptation runs in {path}")
     return 0
+
+
+def print_table(k, cells, error):
+    """One setting's table: a row per method, a column per variant; each cell the mean ± std
+    of its seeds. Two cells of one method and variant (a tuning grid) get a row each."""
+    what = "error %" if error else "top-1 %"
+    print(
+        f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions | mean {what} over seeds"
+    )
+    entries = [(runs[0]["key"], variant_of(runs[0]["key"]), runs) for runs in cells]
+    rows = {}
+    for key, variant, runs in entries:
+        label = str(key["method"]).removeprefix("dp_")
+        if sum(e[1] == variant and e[0]["method"] == key["method"] for e in entries) > 1:
+            label += f" C={key['clip']} lr={key.get('lr')} {key.get('hp', '')}"  # tuning
+        rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
+    order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in TUNED_EPS]
+    present = {variant for _, variant, _ in entries}
+    columns = [c for c in order if c in present] + sorted(present - set(order))
+    width = max(22, *(len(v) + 2 for row in rows.values() for v in row.values()))
+    print(f"{'method':<14}" + "".join(f"{c:>{width}}" for c in columns))
+    for label in sorted(rows, key=method_rank):
+        print(f"{label:<14}" + "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns))
+
+
+def print_per_corruption(cells, error):
+    print(f"per corruption, {'error %' if error else 'top-1 %'}:")
+    for runs in cells:
+        key, shown = runs[0]["key"], []
+        for c in runs[0]["accuracy"]:
+            shown.append(
+                f"{c} {cell([r['accuracy'][c] for r in runs if c in r['accuracy']], error)}"
+            )
+        print(f"  {key['method']} {variant_of(key)}: " + " | ".join(shown))
 
 
 # ----------------------------------------------------------------------------
