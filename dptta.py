@@ -1868,9 +1868,9 @@ def print_header(args, adapter, ledger, hp_note):
     if args.synthetic:
         weights = "checkpoint" if args.checkpoint else "random"
         print(f"SMOKE RUN: {args.synthetic} random images per corruption, {weights} weights")
-    streams = f"{len(args.corruptions)} stream(s) | {args.setting} | batch {args.batch_size}"
-    print(f"data: {args.data} | {args.dataset} severity {args.severity} | {streams}")
-    print(f"  seed {args.seed}{wild(vars(args))}")
+    data = f"{args.data} | {args.dataset} severity {args.severity} | {len(args.corruptions)}"
+    run = f"{args.setting} | batch {args.batch_size} | seed {args.seed}{wild(vars(args))}"
+    print(f"data: {data} stream(s) | {run}")
     what, released = "", "adapted θ"
     if adapter.clip:
         what = f"C = {adapter.clip:g} [{hp_note['clip']}]"
@@ -1886,7 +1886,9 @@ def print_header(args, adapter, ledger, hp_note):
         print(line.format(**ledger))
         line = "  per photo ({streams} stream(s) x {rounds} round(s)): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}"
         print(line.format(**ledger))
-        print(f"  unit: {ledger['unit']}; released: {released} and every other image's prediction")
+        print(
+            f"  unit: {ledger['unit']}; released: {released} and every prediction for other images"
+        )
         if ledger["noise"] == "secret":
             print("  noise: secret, from OS entropy; the state file holds it: keep it private")
         else:
