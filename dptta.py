@@ -690,6 +690,15 @@ class DPTTA(nn.Module):
             m.train()
             m.track_running_stats = False
 
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda(), .half() of a built adapter: refused (a no-op one passes), as θ0, the
+        fp32 masters and the generators would stay where they were: move the model first."""
+        p = next(self.model.parameters())
+        moved = fn(p.detach())  # (a move to where it is already is no move)
+        same = (moved.device, moved.dtype) == (p.device, p.dtype)
+        need(same, "move or cast the model before building its DPTTA, not the adapter")
+        return super()._apply(fn, *args, **kwargs)
+
     def train(self, mode=True):
         """The adapter keeps its model's modes (eval; BatchNorm as `bn` says): an outer
         train() or eval() would switch dropout on, or Tent's BatchNorm off."""
@@ -736,8 +745,10 @@ class DPTTA(nn.Module):
         if self.opt is not None:
             self.opt.load_state_dict(state["opt"])
         self.state = state["state"]
-        self.noise_gen.set_state(state["generators"][0])
-        self.shuffle_gen.set_state(state["generators"][1])
+        # (a generator's state is a CPU tensor, even of a CUDA generator: torch.load's
+        # map_location may have moved it)
+        self.noise_gen.set_state(state["generators"][0].cpu())
+        self.shuffle_gen.set_state(state["generators"][1].cpu())
 
     def _identity(self):
         """What a checkpoint must match: the method, σ, C, lr and the constants (not fisher)."""
@@ -1156,7 +1167,7 @@ class WnidFolder(ImageFolder):
     Hidden files and folders (a leading ".": macOS' ._ twins, .DS_Store, .ipynb_checkpoints)
     are skipped, and so is a file that is not regular (a FIFO named *.JPEG would hang the
     loader); a folder inside a class folder is refused (its images would take the class's
-    label). nodes {(device, inode): path} and sizes {path: bytes} keep what was listed."""
+    label). nodes {(device, inode): path} and files {path: os.stat} keep what was listed."""
 
     def __init__(self, root, transform=None):
         super().__init__(root, transform)  # raises: no class folder, an empty one
@@ -1173,7 +1184,7 @@ class WnidFolder(ImageFolder):
         return classes, {c: i for i, c in enumerate(classes)}
 
     def make_dataset(self, directory, class_to_idx, extensions=None, *args, **kwargs):
-        self.nodes, self.sizes, samples = {}, {}, []
+        self.nodes, self.files, samples = {}, {}, []
         st = os.stat(directory)
         reached_once(self.nodes, directory, (st.st_dev, st.st_ino))
         for c, target in class_to_idx.items():
@@ -1192,7 +1203,7 @@ class WnidFolder(ImageFolder):
                 need(not stat.S_ISDIR(st.st_mode), f"{path} is a folder inside a class folder")
                 if has_file_allowed_extension(path, extensions):
                     found.append(path)
-                    self.sizes[path] = st.st_size
+                    self.files[path] = st
             if not found:
                 raise FileNotFoundError(f"no image in class folder {folder}")
             samples += [(path, target) for path in found]
@@ -1270,8 +1281,22 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
             folder = os.path.join(root, c, str(severity), wnids[i % len(wnids)])
             os.makedirs(folder, exist_ok=True)
             pixels = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-            Image.fromarray(pixels).save(os.path.join(folder, f"{i:06d}.JPEG"), quality=90)
+            path = os.path.join(folder, f"{i:06d}.JPEG")
+            Image.fromarray(pixels).save(path, quality=90)
+            os.utime(path, ns=(0, 0))  # the same tree each time, to its files' times (resume)
     return root
+
+
+def data_fingerprint(streams, root):
+    """A digest of the streams' files (path under root, bytes, modification time): a resumed
+    run's stream is streamed again with the noise the state saved, which must meet the same
+    images (the same noise on other images would cancel in the difference of the releases)."""
+    files = sorted(
+        (os.path.relpath(path, root), st.st_size, st.st_mtime_ns)
+        for ds in streams.values()
+        for path, st in ds.files.items()
+    )
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
 
 def check_public(fisher_set, streams, used):
@@ -1281,8 +1306,8 @@ def check_public(fisher_set, streams, used):
     nodes, by_size = {}, {}
     for ds in streams.values():
         nodes.update(ds.nodes)
-        for path, size in ds.sizes.items():
-            by_size.setdefault(size, []).append(path)
+        for path, st in ds.files.items():
+            by_size.setdefault(st.st_size, []).append(path)
     public = "EATA's Fisher images must be public, never the test stream"
     for node, path in fisher_set.nodes.items():
         require(
@@ -1290,7 +1315,7 @@ def check_public(fisher_set, streams, used):
         )
     for i in used:
         path = fisher_set.samples[i][0]
-        same_size = by_size.get(fisher_set.sizes[path], [])
+        same_size = by_size.get(fisher_set.files[path].st_size, [])
         digest = file_digest(path) if same_size else None
         copies = [p for p in same_size if file_digest(p) == digest] + [None]
         require(
@@ -2185,8 +2210,9 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         sources = {"mixed": or_fail(Mixed, streams)}
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
+    run["data"] = data_fingerprint(streams, args.data)
     if resume is not None:
-        run = resumed(args, adapter, resume, key, state, mine)
+        run = resumed(args, adapter, resume, key, state, mine, streams)
     start = time.time() - run["wall"]
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
         save_state(state, dict(run, adapter=adapter.get_extra_state()))
@@ -2196,7 +2222,10 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
             continue
         if args.setting == "episodic":
             adapter.reset()
-        stream = dict(workers=args.workers, limit=args.limit, order=args.order)
+        limit = args.limit  # per corruption: a mixed stream holds them all
+        if limit is not None and name == "mixed":
+            limit *= len(streams)
+        stream = dict(workers=args.workers, limit=limit, order=args.order)
         stream["pin_memory"] = args.device == "cuda"
         loader = image_stream(sources[name], args.batch_size, seed=args.seed + r, **stream)
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
@@ -2233,10 +2262,14 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
 DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}
 
 
-def resumed(args, adapter, resume, key, state, mine):
+def resumed(args, adapter, resume, key, state, mine, streams):
     """A killed run's bookkeeping, its adapter where it stood; the records the state holds
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
+    require(
+        resume["data"] == data_fingerprint(streams, args.data),
+        f"{args.data}: files changed since {state} was saved: its stream would meet the saved noise again on other images; rerun without --resume for a new run (both runs' releases count)",
+    )
     adapter.set_extra_state(resume.pop("adapter"))
     written = [
         (r.get("corruption"), r.get("round"))

@@ -8,6 +8,7 @@ import math
 import os
 import pathlib
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -926,6 +927,17 @@ def test_two_adapters_on_one_model_are_refused():
     dptta.DPTTA(m, "tent", lr=0.1)
 
 
+def test_a_built_adapter_is_not_moved_or_cast():
+    """θ0, the fp32 masters and the generators stay where the adapter was built: .to() or
+    .double() of the adapter is refused in one line, a no-op .to() passes."""
+    a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1)
+    assert a.to("cpu") is a and a.float() is a
+    for move in (lambda: a.double(), lambda: a.to(torch.bfloat16), lambda: a.half()):
+        with pytest.raises(ValueError, match="before building its DPTTA"):
+            move()
+    a(images(4))  # still whole
+
+
 def test_state_dict_resumes_the_run_and_its_noise_exactly():
     """A checkpoint (torch.save of state_dict) resumes θ, θ0, momentum, the method's state and
     the noise generator where it stood: step 3 after a load equals step 3 of the unbroken run,
@@ -1561,6 +1573,13 @@ def test_cli_wild_settings_mixed_label_shift_repeats_and_single_images(tree, tmp
     assert [(x["round"], x["corruption"]) for x in corr] == [
         (1, "gaussian_noise"), (1, "shot_noise"), (2, "gaussian_noise"), (2, "shot_noise")]
     assert sum(x["images"] for x in corr[:2]) == 24  # 12 + 12 (one unreadable of 13)
+
+
+def test_a_mixed_streams_limit_is_per_corruption(tree, tmp_path):
+    """--limit N is N images per corruption (its help), a mixed stream's too: N·k in all."""
+    _, rec = adapt(tree, tmp_path / "m.jsonl", "--method", "tent", "--setting", "mixed",
+                   "--limit", "3")
+    assert rec["images"] + rec["skipped"] == 6 and rec["key"]["limit"] == 3
 
 
 # ----------------------------------------------------------------------------
@@ -2363,6 +2382,31 @@ def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp
     assert seeded["accuracy"] == whole["accuracy"] and seeded["drift"] == whole["drift"]
     assert secret_1["drift"] == secret_2["drift"] != whole["drift"]
     assert seeded["ledger"]["noise"] == "replayed" and secret_1["ledger"]["noise"] == "secret"
+
+
+def test_resume_refuses_a_stream_whose_files_changed(tree, tmp_path, monkeypatch, capsys):
+    """A resumed stream meets the saved noise again: on other images the same noise would
+    cancel in the difference of the two releases. A file changed since the state (its bytes
+    or its time) is refused; the synthetic tree is the same tree each time, so it resumes."""
+    root = tmp_path / "imagenet-c"
+    shutil.copytree(tree[0], root)
+    argv = ["--data", str(root), "--checkpoint", str(tree[1]), "--out", str(tmp_path / "r.jsonl")]
+    killed_in("shot_noise", monkeypatch)
+    assert dptta.main(argv + RESUMABLE) == 130
+    monkeypatch.undo()
+    image = sorted((root / "shot_noise" / "5").rglob("*.JPEG"))[0]
+    os.utime(image, ns=(10**18, 10**18))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv + RESUMABLE)
+    assert e.value.code == 2 and "files changed since" in capsys.readouterr().err
+    smoke = ["--synthetic", "2", "--corruptions", "gaussian_noise,shot_noise", "--model",
+             CLI_MODEL, "--workers", "0", "--method", "dp_tent", "--resume", "--batch-size", "2",
+             "--out", str(tmp_path / "s.jsonl")]
+    killed_in("shot_noise", monkeypatch)
+    assert dptta.main(smoke) == 130
+    monkeypatch.undo()
+    assert dptta.main(smoke) == 0 and "resumed run" in capsys.readouterr().out
 
 
 def test_a_kill_between_state_and_record_neither_loses_nor_repeats_a_record(tree, tmp_path,
