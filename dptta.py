@@ -657,24 +657,25 @@ class DPTTA(nn.Module):
         noisy_eps = math.inf if eps is None else eps  # the originals: no noise
         self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)
         self.bn, self.accumulate, self.chunk_size = bn, accumulate, chunk_size
-        self.model = model.eval().requires_grad_(False)  # eval: no dropout, nothing random
         self.params, self.model_params = {}, {}
         self.releases = 1  # per image and step (DPNorm: one per private BatchNorm layer)
         bns = [m for m in model.modules() if isinstance(m, BATCH_NORM)]
         no_stats = any(m.running_mean is None for m in bns)
         need(not (no_stats and bn == "source"), "bn='source' needs BatchNorm's running statistics")
-        if gradient:  # θ: fp32 masters of bf16/fp16 parameters (bf16 rounds an update < 2^-8)
+        if gradient:
             lower, per_sample = method.norms == "lower", clip is not None and bn == "train"
             self.model_params = adaptable_params(model, skip_top=lower, private=per_sample)
-            for n, p in self.model_params.items():
-                self.params[n] = at_least_fp32(p).requires_grad_()
-            self.batch_statistics(bns if bn == "train" else [])
-        fisher = self.hp.get("fisher")
-        need(
-            fisher is None or set(fisher) == set(self.params), "fisher needs one tensor per .params"
-        )
+        fisher, adapted = self.hp.get("fisher"), set(self.model_params)
+        need(fisher is None or set(fisher) == adapted, "fisher needs one tensor per .params")
+        self.model = model
         if method.step != "none":  # source only predicts: it claims and switches nothing
             self._claim()
+        # every check has passed: the model is switched now (a refusal leaves it as it was)
+        model.eval().requires_grad_(False)  # eval: no dropout, nothing random
+        for n, p in self.model_params.items():  # θ: fp32 masters of bf16/fp16 parameters
+            self.params[n] = at_least_fp32(p).requires_grad_()  # (bf16 rounds an update < 2^-8)
+        if gradient and bn == "train":
+            self.batch_statistics(bns)
         device = next(model.parameters()).device
         # the adapter's own streams, never rewound by reset(): the same noise twice cancels
         self.noise_seed, self.noise_gen = noise_seed, noise_generator(device, noise_seed)

@@ -927,6 +927,17 @@ def test_two_adapters_on_one_model_are_refused():
     dptta.DPTTA(m, "tent", lr=0.1)
 
 
+def test_a_refused_adapter_leaves_the_model_as_it_was():
+    """Every check passes before the model is switched (eval, no grad, Tent's BatchNorm)."""
+    m = tiny_bn_cnn().train()
+    with pytest.raises(ValueError, match="fisher needs one tensor per"):
+        dptta.DPTTA(m, "eata", lr=0.1, fisher={"nothing": torch.zeros(1)})
+    assert all(mod.training for mod in m.modules())
+    assert all(p.requires_grad for p in m.parameters())
+    assert all(b.track_running_stats for b in m.modules() if isinstance(b, nn.BatchNorm2d))
+    dptta.DPTTA(m, "eata", lr=0.1)  # and no claim was left on it
+
+
 def test_a_built_adapter_is_not_moved_or_cast():
     """θ0, the fp32 masters and the generators stay where the adapter was built: .to() or
     .double() of the adapter is refused in one line, a no-op .to() passes."""
