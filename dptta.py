@@ -2268,8 +2268,8 @@ def resumed(args, adapter, resume, key, state, mine, streams):
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
     require(
-        resume["data"] == data_fingerprint(streams, args.data),
-        f"{args.data}: files changed since {state} was saved: its stream would meet the saved noise again on other images; rerun without --resume for a new run (both runs' releases count)",
+        resume.get("data") == data_fingerprint(streams, args.data),  # (None: an older state)
+        f"{args.data}: files changed since {state} was saved (or it predates the check): its stream would meet the saved noise again on other images; rerun without --resume for a new run (both runs' releases count)",
     )
     adapter.set_extra_state(resume.pop("adapter"))
     written = [
