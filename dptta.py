@@ -1893,7 +1893,8 @@ def print_header(args, adapter, ledger, hp_note):
     print(f"dptta | {args.method} | {args.model} | {where} | {args.dtype}")
     if args.synthetic:
         weights = "checkpoint" if args.checkpoint else "random"
-        print(f"SMOKE RUN: {args.synthetic} random images per corruption, {weights} weights")
+        smoke = f"{args.synthetic} random images per corruption, {weights} weights"
+        print(f"SMOKE RUN: {smoke}: accuracy is chance")
     data = f"{args.data} | {args.dataset} severity {args.severity} | {len(args.corruptions)}"
     run = f"{args.setting} | batch {args.batch_size} | seed {args.seed}{wild(vars(args))}"
     print(f"data: {data} stream(s) | {run}")
@@ -2186,13 +2187,13 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     if adapter.bn_src:  # dp_norm: one release per layer, refused before the first image
         or_fail(adapter.check_releases, torch.zeros(1, *config["input_size"], device=args.device))
     if fisher_loader is not None:
-        n = len(fisher_loader.dataset)
-        print(f"EATA's Fisher information on {n} clean images ...", flush=True)
+        clean_images = len(fisher_loader.dataset)
+        print(f"EATA's Fisher information on {clean_images} clean images ...", flush=True)
         clean = (
             x.to(args.device) for x, _, _ in progress(fisher_loader, "Fisher") if x is not None
         )
         with autocast(args):
-            adapter.hp["fisher"] = fisher_information(model, adapter.params, clean, n)
+            adapter.hp["fisher"] = fisher_information(model, adapter.params, clean, clean_images)
     elif "fisher" in adapter.hp:
         warn(f"{args.method} without --fisher-data: no anti-forgetting penalty")
     ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat, args.privacy_unit)
@@ -2398,9 +2399,10 @@ def summarize(path, per_corruption=False, error=False):
         duplicates += r["key"]["seed"] in seeds
         seeds[r["key"]["seed"]] = r
     for table, cells in tables.items():
-        print_table(json.loads(table), [list(s.values()) for s in cells.values()], error)
+        runs_of = [list(seeds.values()) for seeds in cells.values()]  # a cell's runs, a seed each
+        print_table(json.loads(table), runs_of, error)
         if per_corruption:
-            print_per_corruption([list(s.values()) for s in cells.values()], error)
+            print_per_corruption(runs_of, error)
     if duplicates:
         print(f"\n{duplicates} record(s) repeat the seed of an earlier one: latest used")
     others = [r for r in finals if r not in full]
@@ -2447,13 +2449,13 @@ def print_table(k, cells, error):
 
 
 def print_per_corruption(cells, error):
+    """Each cell's corruptions, mean ± std over its seeds."""
     print(f"per corruption, {'error %' if error else 'top-1 %'}:")
     for runs in cells:
         key, shown = runs[0]["key"], []
         for c in runs[0]["accuracy"]:
-            shown.append(
-                f"{c} {cell([r['accuracy'][c] for r in runs if c in r['accuracy']], error)}"
-            )
+            seeds = [r["accuracy"][c] for r in runs if c in r["accuracy"]]
+            shown.append(f"{c} {cell(seeds, error)}")
         print(f"  {key['method']} {variant_of(key)}: " + " | ".join(shown))
 
 
