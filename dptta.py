@@ -2238,12 +2238,13 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         run["unreadable"] += bad
         run["drift"][label] = drift = drift_of(adapter)
         moved = "" if drift is None else f" | {DRIFT_LABEL[bool(adapter.bn_src)]} {drift:.4f}"
-        note = f" | {len(bad)} unreadable image(s) skipped" if bad else ""
         records, common = [], dict(mode="corruption", run_id=run["run_id"], key=key, round=r + 1)
         for c, hits, images in zip(groups, correct, scored):
             run["rounds"][r][c] = top1 = 100 * hits / max(images, 1)
             record = dict(common, corruption=c, accuracy=top1, error=100 - top1, images=images)
-            records.append(dict(record, skipped=len(bad), drift=drift, smoke=bool(args.synthetic)))
+            skipped = sum(path in streams[c].files for path in bad)  # (mixed: its own files)
+            records.append(dict(record, skipped=skipped, drift=drift, smoke=bool(args.synthetic)))
+            note = f" | {skipped} unreadable image(s) skipped" if skipped else ""
             print(
                 f"{c:<18} top-1 {top1:5.1f}% | {images} images | {rate(images, time.time() - t0)}{moved}{note}",
                 flush=True,

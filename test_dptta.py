@@ -1584,6 +1584,7 @@ def test_cli_wild_settings_mixed_label_shift_repeats_and_single_images(tree, tmp
     assert [(x["round"], x["corruption"]) for x in corr] == [
         (1, "gaussian_noise"), (1, "shot_noise"), (2, "gaussian_noise"), (2, "shot_noise")]
     assert sum(x["images"] for x in corr[:2]) == 24  # 12 + 12 (one unreadable of 13)
+    assert [x["skipped"] for x in corr[:2]] == [1, 0]  # gaussian_noise's broken.JPEG, its own
 
 
 def test_a_mixed_streams_limit_is_per_corruption(tree, tmp_path):
