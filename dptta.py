@@ -2214,7 +2214,7 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
     run["data"] = data_fingerprint(streams, args.data)
     if resume is not None:
-        run = resumed(args, adapter, resume, key, state, mine, streams)
+        run = resumed(args, adapter, resume, key, state, mine, run["data"])
     start = time.time() - run["wall"]
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
         save_state(state, dict(run, adapter=adapter.get_extra_state()))
@@ -2265,12 +2265,12 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
 DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}
 
 
-def resumed(args, adapter, resume, key, state, mine, streams):
+def resumed(args, adapter, resume, key, state, mine, data):
     """A killed run's bookkeeping, its adapter where it stood; the records the state holds
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
     require(
-        resume.get("data") == data_fingerprint(streams, args.data),  # (None: an older state)
+        resume.get("data") == data,  # the streams' digest now (None: an older state)
         f"{args.data}: files changed since {state} was saved (or it predates the check): its stream would meet the saved noise again on other images; rerun without --resume for a new run (both runs' releases count)",
     )
     adapter.set_extra_state(resume.pop("adapter"))
