@@ -12,7 +12,8 @@ What is private: one test image, against streams that differ by replacing it (so
 clipped gradient moves the sum by at most 2C). Each image is in one step, and later steps
 see it only through θ, so the whole stream is μ-GDP with μ = 2/σ (Dong, Roth & Su 2022):
 δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ). The noise is secret: drawn from a generator
-seeded from OS entropy (a known seed would let anyone subtract it).
+whose state comes from OS entropy (a known seed would let anyone subtract it), and kept out
+of every copy, pickle and checkpoint.
 
     python dptta.py --synthetic 16 --method dp_tent --eps 5    # a smoke run: CPU, a minute
     python dptta.py --method dp_deyo --eps 5                   # ImageNet-C, $IMAGENET_C, GPU
@@ -114,6 +115,7 @@ def calibrate_sigma(*, eps, delta, repeats=1):
     (2/σ)-GDP compose to (2√k/σ)-GDP (ibid., Cor. 3.3), so σ = √k·σ_1. eps = inf: σ = 0.
     The root is found on δ as gdp_delta computes it, so the σ returned meets delta exactly."""
     _check_privacy(eps=eps, delta=delta)
+    need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
     if math.isinf(eps):
         return 0.0
     sigma = _smallest(lambda s: _relative_excess(eps, s, delta), 0.1, 1.0)
@@ -125,6 +127,8 @@ def gdp_epsilon(*, sigma, delta):
     _check_privacy(delta=delta, sigma=sigma)
     if sigma == 0:
         return math.inf
+    if math.isinf(sigma):  # all noise: nothing is told
+        return 0.0
     f = partial(_relative_excess, sigma=sigma, delta=delta)
     if f(0.0) <= 0:  # (the root finder below halves its lower end: 0 would never move)
         return 0.0
@@ -300,12 +304,37 @@ def _without_fallback(fn):
 # ----------------------------------------------------------------------------
 # Clip and noise: the Gaussian mechanism on the sum of clipped gradients
 def noise_generator(device="cpu", seed=None):
-    """The privacy noise's source: a generator seeded from OS entropy, a secret (whoever
-    knows the seed regenerates the noise and subtracts it), or from `seed`: an exact replay
-    for tests and debugging, NOT private against anyone who knows that seed."""
-    if seed is None:
-        seed = int.from_bytes(os.urandom(8), "little")
-    return torch.Generator(device).manual_seed(seed)
+    """The privacy noise's source: a generator whose state comes from OS entropy, a secret
+    (whoever knows it regenerates the noise and subtracts it), or from `seed`: an exact
+    replay for tests and debugging, NOT private against anyone who knows that seed.
+
+    A seed alone is too small a secret on a CPU: torch's mt19937 keeps 32 bits of it, and
+    2^32 candidates can be tried against one release in hours. Its 624 state words are
+    drawn from the OS instead. (CUDA's Philox keeps all 64 bits of its seed.)"""
+    generator = torch.Generator(device)
+    if seed is not None:
+        return generator.manual_seed(seed)
+    generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    if generator.device.type == "cpu":
+        generator.set_state(secret_mt19937_state(generator.get_state()))
+    return generator
+
+
+MT_WORDS = slice(24, 24 + 624 * 8)  # a CPU generator's state: 24 bytes, then 624 uint64 words
+
+
+def secret_mt19937_state(state):
+    """A seeded CPU generator's state with its mt19937 words drawn from the OS. Its layout
+    (torch's CPUGeneratorImplState) is checked on mt19937's own initialization: after a seed
+    s, word 0 is s mod 2^32 and word 1 is 1812433253·(w0 ⊕ w0 >> 30) + 1 mod 2^32."""
+    seed = int(state[:8].numpy().view(np.uint64)[0])
+    w0, w1 = (int(w) for w in state[MT_WORDS].numpy().view(np.uint64)[:2])
+    known = w0 == seed % 2**32 and w1 == (1812433253 * (w0 ^ w0 >> 30) + 1) % 2**32
+    need(known, "this torch's CPU generator has a state dptta does not know: no secret noise")
+    words = np.frombuffer(os.urandom(624 * 4), np.uint32).astype(np.uint64)
+    state = state.clone()
+    state[MT_WORDS] = torch.from_numpy(words.view(np.uint8))
+    return state
 
 
 def at_least_fp32(t):
@@ -643,7 +672,6 @@ class DPTTA(nn.Module):
         need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
         need(clip is None or 0 < clip < math.inf, f"clip must be finite and > 0, got {clip}")
         need(not gradient or lr is not None and 0 < lr < math.inf, f"{name} needs a finite lr > 0")
-        need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
         need(privacy_unit in ("image", "photo"), "privacy_unit is 'image' or 'photo'")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
@@ -715,28 +743,31 @@ class DPTTA(nn.Module):
 
     def __getstate__(self):
         """copy.deepcopy and pickle, refused with a pending accumulate window: a copy would
-        step on its images too (two releases), a pickle would write them to disk."""
+        step on its images too (two releases), a pickle would write them to disk. The noise
+        generator is left out: its state regenerates every draw, past ones too (mt19937
+        runs backwards, Philox is a counter), and would cancel the noise of the releases."""
         pending = f"{len(self.window)} pending accumulate batch(es) of raw test images"
         need(not self.window, f"an adapter with {pending}: flush() before copying or saving it")
-        return super().__getstate__()
+        return dict(super().__getstate__(), noise_gen=None)
 
     def __setstate__(self, state):
-        """A copy reseeds its generators from the OS: no noise is ever shared."""
+        """A copy draws its noise from a generator of its own, from the OS: none is shared."""
         super().__setstate__(state)
         if self.method.step != "none":
             self._claim()
-        for generator in (self.noise_gen, self.shuffle_gen):
-            generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
+        self.noise_gen = noise_generator(next(self.model.parameters()).device)
+        self.shuffle_gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def get_extra_state(self):
-        """In state_dict(): θ, θ0, the momentum, the method's state and both generators, so
-        that a load resumes exactly, the noise where it stood. A checkpoint is as secret as
-        the data (whoever reads it replays the noise): load it into one adapter only. EATA's
-        fisher is an input, not a state: pass it again to the adapter that loads."""
+        """In state_dict(): θ, θ0, the momentum, the method's state and DeYO's shuffles, so
+        that a load resumes the run; all of it public (the releases, post-processed). Never
+        the noise generator: the adapter that loads draws its own, so that a checkpoint can
+        be shared and loaded twice without any noise drawn twice. EATA's fisher is an input,
+        not a state: pass it again to the adapter that loads."""
         self.__getstate__()  # (a pending window refuses a checkpoint too)
         state = dict(who=self._identity(), theta=(dict(self.params), self.theta0))
         state["opt"] = None if self.opt is None else self.opt.state_dict()
-        state["generators"] = self.noise_gen.get_state(), self.shuffle_gen.get_state()
+        state["shuffles"] = self.shuffle_gen.get_state()
         return dict(state, state=self.state)
 
     def set_extra_state(self, state):
@@ -746,10 +777,9 @@ class DPTTA(nn.Module):
         if self.opt is not None:
             self.opt.load_state_dict(state["opt"])
         self.state = state["state"]
-        # (a generator's state is a CPU tensor, even of a CUDA generator: torch.load's
+        # (a generator's state is a CPU tensor, even a CUDA generator's: torch.load's
         # map_location may have moved it)
-        self.noise_gen.set_state(state["generators"][0].cpu())
-        self.shuffle_gen.set_state(state["generators"][1].cpu())
+        self.shuffle_gen.set_state(state["shuffles"].cpu())
 
     def _identity(self):
         """What a checkpoint must match: the method, σ, C, lr and the constants (not fisher)."""
@@ -785,16 +815,19 @@ class DPTTA(nn.Module):
         if self.method.context is None:
             return None
         make = partial(self.method.context, self.model, x, self.shuffle_gen, self.hp)
-        return self._replayed(("context", x.data_ptr(), x.shape), make)
+        return self._replayed("context", x, make)
 
-    def _replayed(self, key, make):
-        """make(); with self.replay, a dict, its first result for key (valid while every call
-        starts from θ0, as the audit's trials do)."""
+    def _replayed(self, what, x, make):
+        """make(); with self.replay, a dict, its first result for this batch x (valid while
+        every call starts from θ0, as the audit's trials do). A batch is its object, as long
+        as it is not written to (its _version counts writes); the dict keeps it, so that its
+        id is never another batch's."""
         if self.replay is None:
             return make()
+        key = (what, id(x), x._version)
         if key not in self.replay:
-            self.replay[key] = make()
-        return self.replay[key]
+            self.replay[key] = x, make()
+        return self.replay[key][1]
 
     # -- the stream: predict, then adapt -----------------------------------------------------
     def forward(self, x):
@@ -845,7 +878,7 @@ class DPTTA(nn.Module):
             return self._plain_gradient(theta, x, ctx, keep)
         make = partial(per_sample_grads, self.model, theta, self.loss, x, ctx)
         make = partial(make, chunk_size=self.chunk_size)
-        g, logits = self._replayed(("grads", x.data_ptr(), x.shape), make)
+        g, logits = self._replayed("grads", x, make)
         keep, state = self._filter(logits, ctx, keep)
         if keep is not None:  # clip-only originals: the divisor is the kept count
             if not keep.any():
@@ -1076,14 +1109,18 @@ class DPNorm(DPTTA):
             return logits_of(self.model(x))
 
     def check_releases(self, x):
-        """Each run of a BatchNorm layer is a release, accounted once per layer: a module run
-        twice in a forward (shared, or a block applied twice) would release twice (L = 1 with
-        2 releases is ε = 7.46 at a claimed 5). A forward of x, data-free (zeros of the
-        input's shape), counts the calls; a layer called more than once is refused."""
+        """Each run of a BatchNorm layer is a release, accounted once per layer and image: a
+        module run twice in a forward (shared, or a block applied twice) would release twice
+        (L = 1 with 2 releases is ε = 7.46 at a claimed 5), and a layer fed N rows per image
+        (LeViT's BatchNorm1d on the tokens) would move its sum by 2c·N, not 2c. A forward of
+        x, data-free (zeros of the input's shape), counts the calls and the rows; a layer
+        called more than once, or fed other than one row per image, is refused."""
         calls = dict.fromkeys(self.bn_src, 0)
 
         def count(name, module, args):
             calls[name] += 1
+            rows = f"{len(args[0])} rows for {len(x)} image(s)"
+            need(len(args[0]) == len(x), f"BatchNorm {name} gets {rows}: one per image is private")
 
         with torch.no_grad(), contextlib.ExitStack() as hooks:
             for name in self.bn_src:
@@ -1098,11 +1135,16 @@ class DPNorm(DPTTA):
         )
         self.checked = True
 
+    def moment_clip(self, channels):
+        """c = bn_scale·√(2·channels), the clip of a layer's v_i: an image whose channels sit
+        one source standard deviation off has ‖v_i‖ ≈ √(2·channels)."""
+        return self.hp["bn_scale"] * math.sqrt(2 * channels)
+
     def _release_statistics(self, name, bn, args):
         """Before BatchNorm layer `name` runs: release its batch's moments, average, estimate."""
         mean, var = self.bn_src[name]
         v = bn_moments(args[0], mean, var, bn.eps)
-        c = self.hp["bn_scale"] * math.sqrt(v.shape[1])  # c = bn_scale·√(2·channels)
+        c = self.moment_clip(len(mean))
         s = clip_and_noise({"v": v}, c, self.sigma, self.noise_gen)["v"]
         tau2 = release_noise(self.sigma, c, len(v))
         self.state[name] = averaged(self.state.get(name), s, tau2)
@@ -1427,6 +1469,7 @@ def constants_used(method, fisher=False):
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"
 STOP = []  # the signals received; the stream loop checks it
 PROGRESS_SECONDS = 60  # a progress line at least this often on long work
+NEW_RUN = "rerun without --resume for a new run (both runs' releases count)"
 
 
 def fail(message, code=2):
@@ -1851,14 +1894,9 @@ def privacy_ledger(adapter, streams, rounds, privacy_unit):
     photo in streams × rounds; k steps are μ√k-GDP (Dong, Roth & Su, Cor. 3.3)."""
     if not adapter.method.private:
         return dict(private=False, clip=adapter.clip)
-    if adapter.sigma == 0:
-        return dict(
-            private=False,
-            clip_only=True,
-            note="clip only, not private",
-            eps=adapter.eps,
-            clip=adapter.clip,
-        )
+    if adapter.sigma == 0:  # ε = inf: the DP recipe with no noise
+        note = "clip only, not private"
+        return dict(private=False, clip_only=True, note=note, eps=adapter.eps, clip=adapter.clip)
     sigma, delta, k = adapter.sigma / math.sqrt(adapter.releases), adapter.delta, streams * rounds
     unit = f"one test image, replace-one neighbours, in {rounds} step(s)"
     if privacy_unit == "photo":
@@ -1943,7 +1981,7 @@ def print_norm_noise(adapter, batch_size):
     long average; a warning where it exceeds what the average can carry in every layer."""
     release, average = [], []
     for mean, _ in adapter.bn_src.values():
-        c = adapter.hp["bn_scale"] * math.sqrt(2 * len(mean))
+        c = adapter.moment_clip(len(mean))
         tau2 = release_noise(adapter.sigma, c, batch_size)
         gain = norm_gain(tau2)
         release.append(math.sqrt(tau2))
@@ -2089,17 +2127,16 @@ def main(argv=None):
             os.remove(state)
         return 0
     resume = None
-    both = "rerun without --resume for a new run (both runs' releases count)"
     if args.resume and state and os.path.exists(state):
         try:  # a killed run's state
             resume = torch.load(state, map_location=args.device, weights_only=False)
         except Exception as e:
             fail(
-                f"{state} is damaged ({one_line(e)}): its run cannot go on, and starting it afresh would release its images again; remove it and {both}"
+                f"{state} is damaged ({one_line(e)}): its run cannot go on, and starting it afresh would release its images again; remove it and {NEW_RUN}"
             )
     elif any(r.get("mode") == "corruption" for r in mine):
         fail(
-            f"--resume: {args.out} holds corruption records of this run but not its state ({state}): it cannot go on without releasing their images again; {both}"
+            f"--resume: {args.out} holds corruption records of this run but not its state ({state}): it cannot go on without releasing their images again; {NEW_RUN}"
         )
     handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
     STOP.clear()
@@ -2217,7 +2254,7 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         run = resumed(args, adapter, resume, key, state, mine, run["data"])
     start = time.time() - run["wall"]
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
-        save_state(state, dict(run, adapter=adapter.get_extra_state()))
+        save_state(state, run_state(run, adapter))
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
         label = name if args.repeat == 1 else f"{name}#{r + 1}"
         if label in run["done"]:
@@ -2253,7 +2290,7 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         run["records"] += records
         # the state first, then the records: a kill between the two loses nothing (--resume
         # writes the records it finds in the state) and repeats nothing
-        save_state(state, dict(run, wall=time.time() - start, adapter=adapter.get_extra_state()))
+        save_state(state, run_state(dict(run, wall=time.time() - start), adapter))
         for record in records:
             append_jsonl(args.out, record)
     finish(args, run, streams, adapter, ledger, hp_note, start)
@@ -2265,15 +2302,24 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
 DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}
 
 
+def run_state(run, adapter):
+    """What --resume needs: the run's bookkeeping, the adapter's checkpoint, and its noise
+    generator's state. A killed stream is streamed again from the start: with the noise it
+    drew before, its releases are the ones already made, not a second, uncounted set."""
+    return dict(run, adapter=adapter.get_extra_state(), noise=adapter.noise_gen.get_state())
+
+
 def resumed(args, adapter, resume, key, state, mine, data):
     """A killed run's bookkeeping, its adapter where it stood; the records the state holds
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
+    require("noise" in resume, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
     require(
-        resume.get("data") == data,  # the streams' digest now (None: an older state)
-        f"{args.data}: files changed since {state} was saved (or it predates the check): its stream would meet the saved noise again on other images; rerun without --resume for a new run (both runs' releases count)",
+        resume["data"] == data,  # the streams' digest now
+        f"{args.data}: files changed since {state} was saved: its stream would meet the saved noise again on other images; {NEW_RUN}",
     )
     adapter.set_extra_state(resume.pop("adapter"))
+    adapter.noise_gen.set_state(resume.pop("noise").cpu())  # (map_location moved it)
     written = [
         (r.get("corruption"), r.get("round"))
         for r in mine
@@ -2282,7 +2328,7 @@ def resumed(args, adapter, resume, key, state, mine, data):
     saved = [(r["corruption"], r["round"]) for r in resume["records"]]
     require(
         set(written) <= set(saved),
-        f"{state} is older than the records of its run in {args.out} (a state that could not be saved): it cannot go on; rerun without --resume for a new run (both runs' releases count)",
+        f"{state} is older than the records of its run in {args.out} (a state that could not be saved): it cannot go on; {NEW_RUN}",
     )
     for record in resume["records"]:
         if (record["corruption"], record["round"]) not in written:
@@ -2680,9 +2726,9 @@ def audit(
 
 
 def clip_of(adapter, width):
-    """The adapter's clip norm (dp_norm: bn_scale·√width; no clip: inf)."""
+    """The adapter's clip norm for rows of `width` (dp_norm: its moments'; no clip: inf)."""
     if adapter.bn_src:
-        return adapter.hp["bn_scale"] * math.sqrt(width)
+        return adapter.moment_clip(width // 2)  # v_i: 2 moments per channel
     return math.inf if adapter.clip is None else adapter.clip
 
 

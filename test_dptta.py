@@ -191,6 +191,10 @@ def test_accountant_is_monotone_and_round_trips():
             assert dptta.gdp_epsilon(sigma=s, delta=delta) == pytest.approx(e, rel=1e-7)
     assert dptta.calibrate_sigma(eps=math.inf, delta=1e-6) == 0.0
     assert dptta.gdp_epsilon(sigma=0.0, delta=1e-6) == math.inf
+    assert dptta.gdp_epsilon(sigma=math.inf, delta=1e-6) == 0.0  # all noise: nothing told
+    for repeats in (0, -1, 2.5):  # 0 releases would be no noise at all
+        with pytest.raises(ValueError, match="repeats must be an int >= 1"):
+            dptta.calibrate_sigma(eps=5, delta=1e-6, repeats=repeats)
 
 
 def test_accountant_holds_from_eps_1e_6_to_1e3_and_delta_to_1e_300():
@@ -917,6 +921,60 @@ def test_a_copy_never_draws_its_originals_noise():
         copy.copy(a)  # a shallow copy would share θ with a
 
 
+def test_no_pickle_copy_or_checkpoint_holds_the_noise_generator():
+    """The noise generator's state regenerates its draws, past ones too (mt19937 runs back):
+    whoever held it would subtract the noise from every release. Its current state words
+    appear in none of pickle.dumps, torch.save of the adapter, and torch.save of state_dict."""
+    a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1)
+    a(images(4))
+    words = a.noise_gen.get_state().numpy().tobytes()[24 : 24 + 64]  # mt19937's first 8 words
+    saved, checkpoint = io.BytesIO(), io.BytesIO()
+    torch.save(a, saved)
+    torch.save(a.state_dict(), checkpoint)
+    for blob in (pickle.dumps(a), saved.getvalue(), checkpoint.getvalue()):
+        assert words not in blob
+    assert words in pickle.dumps(a.noise_gen)  # the check can fail: a generator pickles them
+
+
+def mt19937_seeded(state):
+    """Whether a CPU generator's state is mt19937's initialization from a seed: after 24 bytes
+    its 624 words (uint64), word 1 = 1812433253·(w0 ⊕ w0 >> 30) + 1 mod 2^32."""
+    w0, w1 = (int(w) for w in np.frombuffer(state.numpy().tobytes()[24:40], np.uint64))
+    return w1 == (1812433253 * (w0 ^ (w0 >> 30)) + 1) % 2**32
+
+
+def test_the_cpu_noise_is_not_one_of_2_to_the_32_seeds():
+    """torch's CPU mt19937 keeps 32 bits of a seed: 2^32 candidates, each tried against a
+    release in microseconds. The secret noise's state is no seed's initialization (for an
+    adapter, its copy and the library's generator), yet draws N(0, 1); a replay seed still
+    replays torch's own stream."""
+    assert mt19937_seeded(torch.Generator().manual_seed(2**40 + 7).get_state())  # can fail
+    a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1)
+    for g in (dptta.noise_generator(), a.noise_gen, copy.deepcopy(a).noise_gen):
+        state = g.get_state()
+        assert not mt19937_seeded(state)
+        assert torch.equal(state[24 + 624 * 8 :], torch.Generator().get_state()[24 + 624 * 8 :])
+        z = torch.empty(200_000, dtype=torch.float64).normal_(generator=g)
+        assert abs(z.mean().item()) < 0.01 and abs(z.std().item() - 1) < 0.01
+    replay = torch.empty(5).normal_(generator=dptta.noise_generator(seed=7))
+    assert torch.equal(replay, torch.empty(5).normal_(generator=torch.Generator().manual_seed(7)))
+
+
+def test_the_replay_seam_never_serves_one_batch_for_another():
+    """adapter.replay keeps each batch's per-sample pass for the audit's trials. A batch written
+    in place (the same tensor, the same address, other images) is another batch: its step is
+    the one a pass without replay takes, not the first batch's again."""
+    a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=math.inf, clip=1.0, lr=0.1)  # no noise
+    x = images(4)
+    a.replay = {}
+    first = release(a, x)
+    assert torch.equal(first, release(a, x))  # the same batch: replayed
+    x.copy_(images(4, 2))
+    second = release(a, x)
+    a.replay = None
+    assert not torch.equal(first, second) and torch.equal(second, release(a, x))
+
+
 def test_two_adapters_on_one_model_are_refused():
     m = tiny_vit()
     a = dptta.DPTTA(m, "dp_tent", eps=5, clip=1.0, lr=0.1)
@@ -949,10 +1007,13 @@ def test_a_built_adapter_is_not_moved_or_cast():
     a(images(4))  # still whole
 
 
-def test_state_dict_resumes_the_run_and_its_noise_exactly():
+def test_a_checkpoint_resumes_the_run_but_never_its_noise():
     """A checkpoint (torch.save of state_dict) resumes θ, θ0, momentum, the method's state and
-    the noise generator where it stood: step 3 after a load equals step 3 of the unbroken run,
-    so no noise is drawn twice. A checkpoint of another method, σ, C, lr or constant is refused."""
+    DeYO's shuffles: step 3 after a load predicts as the unbroken run, and a non-private step
+    lands where it does. It never holds the noise: a private step after a load draws its own,
+    and one checkpoint loaded twice and stepped on one batch twice gives two releases that
+    differ by √2 times the noise (with the noise replayed, their difference would be noise-free).
+    A checkpoint of another method, σ, C, lr or constant is refused."""
     for method in ("dp_sar", "dp_deyo", "eata"):
         xs = [images(6, s) for s in range(3)]
         a = dptta.DPTTA(tiny_vit(), method, **kw(method, seed=3, d_margin=2.0, e_margin=2.0))
@@ -963,8 +1024,18 @@ def test_state_dict_resumes_the_run_and_its_noise_exactly():
         b = dptta.DPTTA(tiny_vit(), method, **kw(method, seed=3, d_margin=2.0, e_margin=2.0))
         b.load_state_dict(torch.load(path))
         torch.testing.assert_close(b(xs[2]), a(xs[2]), rtol=0, atol=0)
-        for n, p in a.params.items():
-            assert torch.equal(p, b.params[n]) and torch.equal(a.theta0[n], b.theta0[n])
+        same = [torch.equal(p, b.params[n]) for n, p in a.params.items()]
+        assert all(same) if method == "eata" else not any(same), method
+        assert all(torch.equal(a.theta0[n], b.theta0[n]) for n in a.params)
+    a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=1.0)
+    a(images(6, 0))
+    saved, x, steps = copy.deepcopy(a.state_dict()), images(6, 1), []
+    for _ in range(2):
+        a.load_state_dict(saved)
+        a(x)
+        steps.append(torch.cat([p.detach().flatten() for p in a.params.values()]))
+    noise = a.sigma * 1.0 / len(x) * math.sqrt(2 * len(steps[0]))  # ‖lr·(z1 − z2)·σC/B‖
+    assert (steps[0] - steps[1]).norm().item() == pytest.approx(noise, rel=0.3)
     c = dptta.DPTTA(tiny_vit(), "dp_tent", eps=1, clip=1.0, lr=0.1)
     with pytest.raises(ValueError, match="cannot resume"):
         c.load_state_dict(torch.load(path))
@@ -1688,6 +1759,40 @@ def test_dp_norm_refuses_a_batchnorm_run_twice_per_forward(how):
     assert "\n" not in str(e.value)
     assert all(torch.equal(before[n], b) for n, b in a.model.named_buffers())  # nothing released
     dptta.DPTTA(bn_net(), "dp_norm", eps=5)(images(8, dtype=torch.float64))  # once each: fine
+
+
+class TokenBatchNorm(nn.Module):
+    """LeViT's BatchNorm1d on the tokens: each image is 16 rows of the BatchNorm's batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.patches, self.bn, self.head = nn.Conv2d(3, 8, 8, 8), nn.BatchNorm1d(8), nn.Linear(8, K)
+
+    def forward(self, x):
+        tokens = self.patches(x).flatten(2).transpose(1, 2)  # [B, 16, 8]
+        tokens = self.bn(tokens.flatten(0, 1)).view(len(x), -1, 8)
+        return self.head(tokens.mean(1))
+
+
+def test_dp_norm_refuses_a_batchnorm_fed_many_rows_per_image():
+    """A release clips each row to c: with N rows per image, replacing one image moves the sum
+    by 2c·N, not 2c (measured here), so σ_l would be N times too small. Refused before the
+    first release; plain norm, which claims nothing, runs."""
+    m = TokenBatchNorm().double().eval()
+    x, other = images(4, dtype=torch.float64), images(4, 2, dtype=torch.float64)
+    rows = [dptta.bn_moments(m.patches(b).flatten(2).transpose(1, 2).flatten(0, 1), m.bn.running_mean,
+                             m.bn.running_var, m.bn.eps) for b in (x, other[:1])]
+    c = 0.5 * math.sqrt(2 * 8)
+    clipped = [r * (c / r.norm(dim=1, keepdim=True)).clamp(max=1) for r in rows]
+    moved = (clipped[0][:16].sum(0) - clipped[1].sum(0)).norm().item()  # image 0 replaced
+    assert moved > 2 * c  # more than the accounted sensitivity
+    a = dptta.DPTTA(m, "dp_norm", eps=5)
+    before = {n: b.clone() for n, b in m.named_buffers()}
+    with pytest.raises(ValueError, match="BatchNorm bn gets 16 rows for 1 image") as e:
+        a(x)
+    assert "\n" not in str(e.value)
+    assert all(torch.equal(before[n], b) for n, b in m.named_buffers())  # nothing released
+    dptta.DPTTA(TokenBatchNorm().double().eval(), "norm")(x)
 
 
 @pytest.mark.parametrize("layers", [0, -1, -3, 4, 2.0])
@@ -2462,7 +2567,8 @@ def test_a_kill_in_the_first_stream_resumes_from_the_start_with_the_same_noise(
 def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_state(
         tree, tmp_path, monkeypatch, capsys):
     """Fresh noise on images whose releases are out is a second, uncounted release: a damaged
-    or missing state of a run with records is refused (one line, exit 2), never restarted. A
+    or missing state of a run with records, or one an older dptta saved, is refused (one line,
+    exit 2), never restarted. A
     state left by a kill after the run's record goes when the rerun finds the run done."""
     root, ckpt = tree
     out = tmp_path / "r.jsonl"
@@ -2483,6 +2589,12 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
         assert "both runs' releases count" in err
+    older = torch.load(io.BytesIO(good), weights_only=False)
+    older["adapter"]["generators"] = older.pop("noise"), older["adapter"].pop("shuffles")
+    torch.save(older, state)  # as the dptta before this one saved it: the noise in the adapter
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv)
+    assert e.value.code == 2 and "from an older dptta" in capsys.readouterr().err
     state.write_bytes(good)
     assert dptta.main(argv) == 0 and not state.exists()
     state.write_bytes(good)  # as if killed between the run's record and the state's removal
