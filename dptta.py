@@ -1253,11 +1253,18 @@ class WnidFolder(ImageFolder):
         return samples
 
     def __getitem__(self, i):
+        """(image, ImageNet index), or (None, path) for an image that cannot be decoded. A file
+        the system cannot read (permissions, a failing disk: an OSError with an errno) stops
+        the run instead: readable later, it would be another stream under the same noise."""
         path, c = self.samples[i]
         try:
             return self.transform(load_rgb(path)), self.imagenet_index[c]
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
-            return None, path  # truncated, corrupt, not an image, a decompression bomb
+        except OSError as e:
+            if e.errno is not None:
+                raise
+            return None, path  # truncated, corrupt, not an image
+        except (ValueError, SyntaxError, Image.DecompressionBombError):
+            return None, path  # a mode PIL cannot convert, a broken header, a decompression bomb
 
 
 def collate_skipping(batch):
@@ -1269,31 +1276,6 @@ def collate_skipping(batch):
         return None, None, bad
     blank = (torch.zeros_like(good[0][0]), -1)
     return (*default_collate([blank if b[0] is None else b for b in batch]), bad)
-
-
-def image_stream(
-    dataset, batch_size, *, seed, workers, limit=None, order="random", pin_memory=False
-):
-    """Batches of a seeded shuffle's first `limit` images, in an order: random; class (sorted
-    by label, SAR's online label shift); or dirichlet:ALPHA (each class spread over as many
-    time slots as classes by Dir(ALPHA) shares, as RoTTA draws it)."""
-    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))[:limit]
-    labels = np.asarray(dataset.targets)[perm.numpy()]
-    if order == "class":
-        perm = perm[np.argsort(labels, kind="stable")]
-    if order.startswith("dirichlet:"):
-        rng, classes = np.random.default_rng(seed), np.unique(labels)
-        slots = [[] for _ in classes]
-        for c in classes:  # class c's images cut into the slots by Dir(α) shares
-            share = rng.dirichlet([float(order[10:])] * len(classes))
-            cuts = (np.cumsum(share) * (labels == c).sum()).astype(int)[:-1]
-            for slot, part in zip(slots, np.split(perm.numpy()[labels == c], cuts)):
-                slot.extend(part)
-        perm = torch.as_tensor([i for slot in slots for i in rng.permutation(slot)], dtype=int)
-    subset = Subset(dataset, perm.tolist())
-    return DataLoader(
-        subset, batch_size, num_workers=workers, collate_fn=collate_skipping, pin_memory=pin_memory
-    )
 
 
 class Mixed(torch.utils.data.ConcatDataset):
@@ -1316,6 +1298,45 @@ class Mixed(torch.utils.data.ConcatDataset):
         return (x, y) if x is None else (x, y + self.TAG * c)
 
 
+def image_stream(
+    dataset, batch_size, *, seed, workers, limit=None, order="random", pin_memory=False, rerun=0
+):
+    """Batches of a seeded shuffle's first `limit` images (a mixed stream's: per corruption),
+    the same images in every round, in an order: random (round r, rerun=r: reshuffled);
+    class (sorted by label, SAR's online label shift); or dirichlet:ALPHA (each class spread
+    over as many time slots as classes by Dir(ALPHA) shares, as RoTTA draws it)."""
+    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
+    if limit is not None:
+        group = np.zeros(len(perm), dtype=int)  # the corruption of each image (mixed)
+        if isinstance(dataset, Mixed):
+            group = np.searchsorted(dataset.cumulative_sizes, perm.numpy(), "right")
+        taken, keep = {}, []
+        for i, g in zip(perm.tolist(), group.tolist()):
+            taken[g] = taken.get(g, 0) + 1
+            if taken[g] <= limit:
+                keep.append(i)
+        perm = torch.as_tensor(keep, dtype=torch.long)
+    if rerun:  # a later round: its own order of the same images
+        reorder = torch.Generator().manual_seed(seed + rerun)
+        perm = perm[torch.randperm(len(perm), generator=reorder)]
+    labels = np.asarray(dataset.targets)[perm.numpy()]
+    if order == "class":
+        perm = perm[np.argsort(labels, kind="stable")]
+    if order.startswith("dirichlet:"):
+        rng, classes = np.random.default_rng(seed + rerun), np.unique(labels)
+        slots = [[] for _ in classes]
+        for c in classes:  # class c's images cut into the slots by Dir(α) shares
+            share = rng.dirichlet([float(order[10:])] * len(classes))
+            cuts = (np.cumsum(share) * (labels == c).sum()).astype(int)[:-1]
+            for slot, part in zip(slots, np.split(perm.numpy()[labels == c], cuts)):
+                slot.extend(part)
+        perm = torch.as_tensor([i for slot in slots for i in rng.permutation(slot)], dtype=int)
+    subset = Subset(dataset, perm.tolist())
+    return DataLoader(
+        subset, batch_size, num_workers=workers, collate_fn=collate_skipping, pin_memory=pin_memory
+    )
+
+
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     """An ImageNet-C-shaped tree of random JPEGs, n per corruption over 10 wnids (smoke runs)."""
     wnids, rng = timm.data.ImageNetInfo().label_names()[:10], np.random.default_rng(seed)
@@ -1330,14 +1351,14 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     return root
 
 
-def data_fingerprint(streams, root):
-    """A digest of the streams' files (path under root, bytes, modification time): a resumed
-    run's stream is streamed again with the noise the state saved, which must meet the same
-    images (the same noise on other images would cancel in the difference of the releases)."""
+def data_fingerprint(folder):
+    """A digest of a WnidFolder's files (path under its root, bytes, modification time): a
+    resumed run's stream is streamed again with the noise the state saved, which must meet
+    the same images, and the same Fisher images (the same noise on other images, or along
+    another θ, would cancel in the difference of the releases)."""
     files = sorted(
-        (os.path.relpath(path, root), st.st_size, st.st_mtime_ns)
-        for ds in streams.values()
-        for path, st in ds.files.items()
+        (os.path.relpath(path, folder.root), st.st_size, st.st_mtime_ns)
+        for path, st in folder.files.items()
     )
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()
 
@@ -1473,7 +1494,8 @@ NEW_RUN = "rerun without --resume for a new run (both runs' releases count)"
 
 
 def fail(message, code=2):
-    """One line on stderr; exit 2 (bad input), 3 (diverged) or 4 (a write failed)."""
+    """One line on stderr; exit 2 (bad input), 3 (the stream stopped it: diverged, or no image
+    readable) or 4 (a file not written or read)."""
     print(f"dptta: error: {message}", file=sys.stderr)
     sys.exit(code)
 
@@ -1506,10 +1528,13 @@ def parser_error(message):
 
 
 def number(kind, low, high=math.inf, strict=False):
-    """An argparse type: a `kind` in [low, high], or (low, high) if strict; NaN is out."""
+    """An argparse type: a `kind` in [low, high], or (low, high) if strict; NaN is out. A
+    float with no upper bound is still an fp32 (C and lr meet θ in fp32: 1e39 overflows)."""
     shown = f"in {low}..{high}"
     if high == math.inf:
-        shown = f"finite and > {low}" if strict else f">= {low}"
+        shown = f"> {low}" if strict else f">= {low}"
+        if kind is float:
+            shown, high = f"finite in fp32 and {shown}", torch.finfo(torch.float32).max
     elif strict:
         shown = f"in ({low}, {high})"
 
@@ -1594,8 +1619,22 @@ TOOL_FLAGS = dict(
 )
 
 
+# the flags each tool reads, besides the machine's (--device, --workers); any other flag given
+# to a tool is refused, not ignored
+MODE_FLAGS = dict(
+    summarize="summarize per_corruption error",
+    benchmark="benchmark model batch_size accumulate amp bn seed out rounds",
+    audit="audit method eps delta clip lr seed trials e2e_trials out",
+)
+
+
 def check_common(args, mode=None):
     """What every mode reads: no other mode's flag, the device and dtype (decided once)."""
+    defaults = vars(parse_args([]))
+    for flag, value in vars(args).items():
+        unread = mode is not None and flag not in MODE_FLAGS[mode].split() + ["device", "workers"]
+        refused = f"--{flag.replace('_', '-')} does not apply to --{mode}"
+        require(not unread or value == defaults[flag], refused)
     for flag, (tool, default) in TOOL_FLAGS.items():
         value = getattr(args, flag)
         require(
@@ -1667,6 +1706,7 @@ def check_args(args):
     require(len(set(args.corruptions)) == len(args.corruptions), "--corruptions repeats one")
     if args.dataset == "imagenet_r":
         require(not args.synthetic, "--synthetic makes ImageNet-C trees, not ImageNet-R")
+        require(args.corruptions == list(CORRUPTIONS), "--corruptions: ImageNet-R has none")
         args.corruptions = ["imagenet_r"]
     if args.synthetic and args.corruptions == list(CORRUPTIONS):  # a short smoke run
         args.corruptions = args.corruptions[:3]
@@ -1724,6 +1764,7 @@ def check_out(args, default):
         require(not args.resume, f"--resume: --out {os.devnull} keeps nothing to resume")
         return print(f"note: --out {os.devnull}: the records are discarded")
     folder = os.path.dirname(os.path.abspath(args.out))
+    require(os.path.basename(args.out), f"--out {args.out!r} names no file")  # "", "dir/"
     require(not os.path.isdir(args.out), f"--out {args.out} is a folder")
     require(
         not os.path.exists(args.out) or os.path.isfile(args.out),
@@ -1828,13 +1869,14 @@ def read_jsonl(path, flag):
     full disk, NUL bytes) is skipped and named; a file with no record is refused as not a
     JSONL file, unless every line of it starts like a record."""
     require(os.path.isfile(path), f"{flag} {path} does not exist or is not a regular file")
+    require(os.access(path, os.R_OK), f"{flag} {path} is not readable")
     records, damaged, foreign = [], [], False
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             line = raw.strip(b" \t\r\n\x00")
             try:
                 record = json.loads(line) if line else {}
-            except ValueError:  # a JSONDecodeError or a UnicodeDecodeError
+            except (ValueError, RecursionError):  # bad JSON, bad UTF-8, nested 100,000 deep
                 record = None
             if isinstance(record, dict) and line:
                 records.append((n, record))
@@ -1869,9 +1911,10 @@ def append_jsonl(path, record):
         fail(f"cannot write {path} ({e.strerror}); the record is above", 4)
 
 
-def save_state(path, state):
+def save_state(path, state, first=False):
     """torch.save to a file only its owner reads (it holds the noise generator: as secret as
-    the data), then a rename: a kill leaves the old state or the new one."""
+    the data), then a rename: a kill leaves the old state or the new one, never the .tmp.
+    The first save, before any image, stops the run if it fails; a later one warns."""
     if path is None:  # --out /dev/null: nothing to resume
         return
     try:
@@ -1881,26 +1924,40 @@ def save_state(path, state):
             torch.save(state, f)
         os.replace(path + ".tmp", path)
     except (OSError, RuntimeError) as e:  # torch.save's full disk is a RuntimeError
+        if first:
+            fail(f"cannot save the run's state {path} ({one_line(e)}); no image was read", 4)
+        warn(f"cannot save {path} ({one_line(e)}): --resume will refuse to go on")
+    finally:  # a failure, or a signal in the middle (KeyboardInterrupt)
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
-        warn(f"cannot save {path} ({one_line(e)}): --resume will refuse to go on")
 
 
 # ----------------------------------------------------------------------------
 # The privacy ledger and the header
-def privacy_ledger(adapter, streams, rounds, privacy_unit):
+def photo_factor(streams, mixed):
+    """μ_photo²/μ_step² for one round: a photo's versions are in `streams` steps, or, in one
+    mixed stream, may share a step: m of them in one batch move its sum by 2mC, and
+    Σ m² <= streams² (all in one batch) is the worst case."""
+    return streams**2 if mixed else streams
+
+
+def privacy_ledger(adapter, streams, rounds, privacy_unit, mixed):
     """What the adapter promises, to whom, in numbers. A step (its `releases`, σ_l each) is
     μ-GDP with μ = 2/σ, σ = σ_l/√releases; a test image is in `rounds` steps (--repeat), a
-    photo in streams × rounds; k steps are μ√k-GDP (Dong, Roth & Su, Cor. 3.3)."""
+    photo in streams × rounds (mixed: see photo_factor); k steps are μ√k-GDP (Dong, Roth &
+    Su, Cor. 3.3)."""
     if not adapter.method.private:
         return dict(private=False, clip=adapter.clip)
     if adapter.sigma == 0:  # ε = inf: the DP recipe with no noise
         note = "clip only, not private"
         return dict(private=False, clip_only=True, note=note, eps=adapter.eps, clip=adapter.clip)
-    sigma, delta, k = adapter.sigma / math.sqrt(adapter.releases), adapter.delta, streams * rounds
+    sigma, delta = adapter.sigma / math.sqrt(adapter.releases), adapter.delta
+    k, photo = photo_factor(streams, mixed) * rounds, f"{streams} stream(s) x {rounds} round(s)"
+    if mixed:
+        photo = f"{streams} version(s) in one mixed stream, a step at worst, x {rounds} round(s)"
     unit = f"one test image, replace-one neighbours, in {rounds} step(s)"
     if privacy_unit == "photo":
-        unit = f"one photo, replace-one neighbours, in its {streams} stream(s) x {rounds} round(s)"
+        unit = f"one photo, replace-one neighbours, its {photo}"
     ledger = dict(private=True, eps=adapter.eps, delta=delta, privacy_unit=privacy_unit, unit=unit)
     ledger.update(
         clip=adapter.clip, sigma=sigma, releases=adapter.releases, sigma_per_release=adapter.sigma
@@ -1908,7 +1965,7 @@ def privacy_ledger(adapter, streams, rounds, privacy_unit):
     for per, steps in (("step", 1), ("test_image", rounds), ("photo", k)):
         ledger[f"mu_per_{per}"] = 2 * math.sqrt(steps) / sigma
         ledger[f"eps_per_{per}"] = gdp_epsilon(sigma=sigma / math.sqrt(steps), delta=delta)
-    ledger.update(rounds=rounds, streams=streams, noise="secret")
+    ledger.update(rounds=rounds, streams=streams, photo=photo, noise="secret")
     if adapter.noise_seed is not None:
         note = f"not private against anyone who knows noise seed {adapter.noise_seed}"
         ledger.update(noise="replayed", noise_seed=adapter.noise_seed, note=note)
@@ -1933,7 +1990,10 @@ def print_header(args, adapter, ledger, hp_note):
         weights = "checkpoint" if args.checkpoint else "random"
         smoke = f"{args.synthetic} random images per corruption, {weights} weights"
         print(f"SMOKE RUN: {smoke}: accuracy is chance")
-    data = f"{args.data} | {args.dataset} severity {args.severity} | {len(args.corruptions)}"
+    data = f"{args.data} | {args.dataset}"
+    if args.dataset == "imagenet_c":
+        data += f" severity {args.severity}"
+    data += f" | {len(args.corruptions)}"
     run = f"{args.setting} | batch {args.batch_size} | seed {args.seed}{wild(vars(args))}"
     print(f"data: {data} stream(s) | {run}")
     what, released = "", "adapted θ"
@@ -1949,7 +2009,7 @@ def print_header(args, adapter, ledger, hp_note):
         print(line.format(**ledger) + f" (μ = 2/σ = {ledger['mu_per_step']:.4f}-GDP), {what}")
         line = "  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = {eps_per_test_image:.3g}"
         print(line.format(**ledger))
-        line = "  per photo ({streams} stream(s) x {rounds} round(s)): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}"
+        line = "  per photo ({photo}): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}"
         print(line.format(**ledger))
         print(
             f"  unit: {ledger['unit']}; released: {released} and every prediction for other images"
@@ -2130,6 +2190,8 @@ def main(argv=None):
     if args.resume and state and os.path.exists(state):
         try:  # a killed run's state
             resume = torch.load(state, map_location=args.device, weights_only=False)
+            if not (isinstance(resume, dict) and {"key", "run_id", "records"} <= set(resume)):
+                raise ValueError("not a run's state")
         except Exception as e:
             fail(
                 f"{state} is damaged ({one_line(e)}): its run cannot go on, and starting it afresh would release its images again; remove it and {NEW_RUN}"
@@ -2152,6 +2214,9 @@ def main(argv=None):
         if e.code == 3 and state and os.path.exists(state):  # diverged: nothing to resume
             os.remove(state)
         raise
+    except OSError as e:  # an image the system cannot read (a DataLoader worker's: its last line)
+        last = str(e).strip().splitlines()[-1]
+        fail(f"{last}; stopped before stepping on it: --resume goes on once it reads", 4)
     except KeyboardInterrupt:
         signum = STOP[0] if STOP else signal.SIGINT
         print(
@@ -2217,7 +2282,9 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     # the flags DPTTA takes as they are, then those the CLI counts or defaults for it
     given = "eps clip lr privacy_unit seed noise_seed accumulate".split()
     kwargs = {k: getattr(args, k) for k in given}
-    kwargs["repeats"] = args.repeat * (len(streams) if args.privacy_unit == "photo" else 1)
+    mixed = args.setting == "mixed"
+    photo = photo_factor(len(streams), mixed)  # a photo's versions: in k steps, or one at worst
+    kwargs["repeats"] = args.repeat * (photo if args.privacy_unit == "photo" else 1)
     kwargs["delta"] = 1e-6 if args.delta is None else args.delta
     kwargs["bn"] = "train" if args.bn is None else args.bn
     adapter = or_fail(DPTTA, model, args.method, **kwargs, **hp)
@@ -2226,14 +2293,23 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     if fisher_loader is not None:
         clean_images = len(fisher_loader.dataset)
         print(f"EATA's Fisher information on {clean_images} clean images ...", flush=True)
-        clean = (
-            x.to(args.device) for x, _, _ in progress(fisher_loader, "Fisher") if x is not None
-        )
+        unreadable = []
+
+        def clean():  # the readable images: an unreadable one's gray placeholder is no image
+            for x, y, bad in progress(fisher_loader, "Fisher"):
+                unreadable.extend(bad)
+                if x is not None and (y >= 0).any():
+                    yield x[y >= 0].to(args.device)
+
         with autocast(args):
-            adapter.hp["fisher"] = fisher_information(model, adapter.params, clean, clean_images)
+            adapter.hp["fisher"] = fisher_information(model, adapter.params, clean(), clean_images)
+        require(len(unreadable) < clean_images, "--fisher-data: none of its images is readable")
+        if unreadable:
+            skipped = f"{len(unreadable)} unreadable image(s) skipped ({unreadable[0]}, ...)"
+            warn(f"--fisher-data: {skipped}")
     elif "fisher" in adapter.hp:
         warn(f"{args.method} without --fisher-data: no anti-forgetting penalty")
-    ledger = privacy_ledger(adapter, len(args.corruptions), args.repeat, args.privacy_unit)
+    ledger = privacy_ledger(adapter, len(streams), args.repeat, args.privacy_unit, mixed)
     if any(isinstance(m, BATCH_NORM) for m in model.modules()):  # what BatchNorm normalized with
         ledger["bn"] = "private statistics" if adapter.bn_src else adapter.bn
     print_header(args, adapter, ledger, hp_note)
@@ -2249,28 +2325,31 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         sources = {"mixed": or_fail(Mixed, streams)}
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
-    run["data"] = data_fingerprint(streams, args.data)
+    folders = dict(streams)
+    if fisher_loader is not None:
+        folders["--fisher-data"] = fisher_loader.dataset.dataset  # (a Subset of the folder)
+    run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine, run["data"])
     start = time.time() - run["wall"]
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
-        save_state(state, run_state(run, adapter))
+        save_state(state, run_state(run, adapter), first=True)
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
         label = name if args.repeat == 1 else f"{name}#{r + 1}"
         if label in run["done"]:
             continue
         if args.setting == "episodic":
             adapter.reset()
-        limit = args.limit  # per corruption: a mixed stream holds them all
-        if limit is not None and name == "mixed":
-            limit *= len(streams)
-        stream = dict(workers=args.workers, limit=limit, order=args.order)
+        stream = dict(workers=args.workers, limit=args.limit, order=args.order, rerun=r)
         stream["pin_memory"] = args.device == "cuda"
-        loader = image_stream(sources[name], args.batch_size, seed=args.seed + r, **stream)
+        loader = image_stream(sources[name], args.batch_size, seed=args.seed, **stream)
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
         correct, scored, bad = stream_through(
             adapter, loader, label, args=args, lookup=lookup, groups=len(groups)
         )
+        empty = [c for c, images in zip(groups, scored) if not images] + [None]
+        if empty[0] is not None:  # a 0% of no image would be a made-up measurement
+            fail(f"{empty[0]}: no image of it could be read; stopped, no record of it or the run", 3)
         run["images"] += sum(scored)
         run["unreadable"] += bad
         run["drift"][label] = drift = drift_of(adapter)
@@ -2314,9 +2393,10 @@ def resumed(args, adapter, resume, key, state, mine, data):
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
     require("noise" in resume, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
+    changed = [name for name in data if resume["data"].get(name) != data[name]] + [None]
     require(
-        resume["data"] == data,  # the streams' digest now
-        f"{args.data}: files changed since {state} was saved: its stream would meet the saved noise again on other images; {NEW_RUN}",
+        changed[0] is None,  # each folder's digest now
+        f"{changed[0]}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}",
     )
     adapter.set_extra_state(resume.pop("adapter"))
     adapter.noise_gen.set_state(resume.pop("noise").cpu())  # (map_location moved it)
@@ -2333,7 +2413,8 @@ def resumed(args, adapter, resume, key, state, mine, data):
     for record in resume["records"]:
         if (record["corruption"], record["round"]) not in written:
             append_jsonl(args.out, record)
-    print(f"resumed run {resume['run_id']} after {', '.join(resume['done'])}")
+    done = ", ".join(resume["done"]) if resume["done"] else "none (its first stream again)"
+    print(f"resumed run {resume['run_id']} after {done}")
     return resume
 
 
@@ -2383,14 +2464,26 @@ def finite_number(x):
 
 
 def readable(record):
-    """Whether --summarize can read a record: a run's or a corruption's fields, finite."""
+    """Whether --summarize can read a record: a run's or a corruption's fields, of their types
+    (a method's name, a seed, an ε a number or "inf"), its numbers finite."""
     key, accuracy = record.get("key"), record.get("accuracy")
     if not (isinstance(key, dict) and all(k in key for k in KEY_FIELDS)):
+        return False
+    method = key["method"]
+    named = isinstance(method, str) and method.strip() != ""
+    if not (named and isinstance(key["corruptions"], list) and finite_number(key["seed"])):
+        return False
+    if method.startswith("dp_") and not is_eps(key["eps"]):
         return False
     if record.get("mode") == "corruption":
         return finite_number(accuracy) and isinstance(record.get("corruption"), str)
     numbers = [record.get("mean"), *accuracy.values()] if isinstance(accuracy, dict) else [None]
-    return isinstance(key["corruptions"], list) and all(map(finite_number, numbers))
+    return all(map(finite_number, numbers))
+
+
+def is_eps(value):
+    """An ε as a record holds it: a number > 0, or "inf"."""
+    return value == "inf" or (finite_number(value) and value > 0)
 
 
 def variant_of(key):

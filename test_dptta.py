@@ -1644,11 +1644,13 @@ def test_cli_wild_settings_mixed_label_shift_repeats_and_single_images(tree, tmp
     assert sorted(rec["accuracy"]) == ["gaussian_noise", "shot_noise"]  # scored per corruption
     assert len(rec["rounds"]) == 2 and "per round:" in r.stdout
     assert rec["ledger"]["streams"] == 2 and rec["ledger"]["rounds"] == 2  # 2 streams x 2 rounds
-    assert rec["ledger"]["sigma"] == pytest.approx(1.9601 * 2, abs=4e-4)  # σ·√(N·k)
+    # one mixed stream: a photo's k = 2 versions may share a step (sensitivity 2·2C), in each
+    # of N = 2 rounds: σ·k·√N
+    assert rec["ledger"]["sigma"] == pytest.approx(1.9601 * 2 * math.sqrt(2), abs=4e-4)
     assert rec["key"]["accumulate"] == 4 and rec["key"]["order"] == "dirichlet:0.1"
-    led = rec["ledger"]  # σ per step; a test image is in 2 steps, a photo in 4: μ√k each
+    led = rec["ledger"]  # σ per step; a test image is in 2 steps: μ√2; a photo μ·k·√N
     assert led["mu_per_test_image"] == pytest.approx(2 * math.sqrt(2) / led["sigma"])
-    assert led["mu_per_photo"] == pytest.approx(2 * math.sqrt(4) / led["sigma"])
+    assert led["mu_per_photo"] == pytest.approx(2 * 2 * math.sqrt(2) / led["sigma"])
     assert led["eps_per_photo"] == pytest.approx(5, rel=1e-6)
     assert f"per test image (2 step(s)): μ = {led['mu_per_test_image']:.4f}" in r.stdout
     corr = [x for x in records(out) if x["mode"] == "corruption"]
@@ -1658,11 +1660,40 @@ def test_cli_wild_settings_mixed_label_shift_repeats_and_single_images(tree, tmp
     assert [x["skipped"] for x in corr[:2]] == [1, 0]  # gaussian_noise's broken.JPEG, its own
 
 
-def test_a_mixed_streams_limit_is_per_corruption(tree, tmp_path):
-    """--limit N is N images per corruption (its help), a mixed stream's too: N·k in all."""
-    _, rec = adapt(tree, tmp_path / "m.jsonl", "--method", "tent", "--setting", "mixed",
-                   "--limit", "3")
-    assert rec["images"] + rec["skipped"] == 6 and rec["key"]["limit"] == 3
+def test_a_mixed_streams_limit_is_per_corruption_and_every_round_streams_the_same_images(
+        tree, tmp_path):
+    """--limit N is N images per corruption (its help), a mixed stream's too: N of each, in
+    every seed; and each --repeat round streams the same N images, in an order of its own
+    (a forgetting curve compares rounds on the same images)."""
+    out = tmp_path / "m.jsonl"
+    for seed in range(4):
+        _, rec = adapt(tree, out, "--method", "tent", "--setting", "mixed", "--limit", "3",
+                       "--seed", seed)
+        assert rec["images"] + rec["skipped"] == 6 and rec["key"]["limit"] == 3
+        cells = [r for r in records(out) if r["mode"] == "corruption" and r["key"] == rec["key"]]
+        assert [r["images"] + r["skipped"] for r in cells] == [3, 3], seed
+    folder = dptta.WnidFolder(str(tree[0] / "gaussian_noise" / "5"))
+    rounds = [dptta.image_stream(folder, 4, seed=0, workers=0, limit=5, rerun=r).dataset.indices
+              for r in range(3)]
+    assert all(sorted(r) == sorted(rounds[0]) for r in rounds) and rounds[1] != rounds[0]
+    assert rounds[0] == torch.randperm(len(folder), generator=torch.Generator().manual_seed(0))[
+        :5].tolist()  # round 0: the seeded shuffle's first 5
+
+
+def test_a_corruption_with_no_readable_image_stops_the_run_without_a_made_up_accuracy(tree,
+                                                                                   tmp_path):
+    """0% of 0 images would be a measurement nobody made (and pull the run's mean down)."""
+    root = tmp_path / "c"
+    dptta.make_synthetic_tree(str(root), ["gaussian_noise"], 5, 4, size=16)
+    image_folder(root / "shot_noise" / "5", "n01440764", 0)
+    (root / "shot_noise" / "5" / "n01440764" / "x.JPEG").write_bytes(b"not an image")
+    out = tmp_path / "r.jsonl"
+    r = run_main("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model",
+                 CLI_MODEL, "--checkpoint", tree[1], "--batch-size", 4, "--workers", 0,
+                 "--method", "tent", "--lr", "1e-3", "--out", out)
+    assert r.returncode == 3 and "shot_noise: no image of it could be read" in r.stderr
+    assert [x.get("corruption") for x in records(out)] == ["gaussian_noise"]  # no run record
+    assert [p.name for p in tmp_path.iterdir()] == ["c", "r.jsonl"]  # and no state left
 
 
 # ----------------------------------------------------------------------------
@@ -2228,6 +2259,7 @@ def test_cli_imagenet_r_scores_on_the_classes_present(tmp_path):
             "--workers", 0, "--out", tmp_path / "r.jsonl")
     assert r.returncode == 0, r.stderr
     assert final_record(tmp_path / "r.jsonl")["accuracy"] == {"imagenet_r": 50.0}
+    assert "| imagenet_r | 1 stream(s)" in r.stdout  # no severity: ImageNet-R has none
 
 
 def bad_input_cases(root, ckpt):
@@ -2276,11 +2308,18 @@ def bad_input_cases(root, ckpt):
                                   "expected ROOT/"),
         "fisher data empty": (ok + ["--method", "eata", "--fisher-data",
                                     os.path.join(root, "empty")], "class folder"),
-        "imagenet_r on a C tree": (ok + ["--dataset", "imagenet_r"], "expected ROOT/"),
+        "imagenet_r on a C tree": (["--data", root, "--model", CLI_MODEL, "--checkpoint", ckpt,
+                                    "--dataset", "imagenet_r"], "expected ROOT/"),
+        "imagenet_r corruptions": (ok + ["--dataset", "imagenet_r"], "ImageNet-R has none"),
         "synthetic imagenet_r": (ok + ["--dataset", "imagenet_r", "--synthetic", "4"],
                                  "ImageNet-R"),
         "out is a folder": (ok + ["--out", root], "is a folder"),
         "out in a missing folder": (ok + ["--out", "/nonexistent/r.jsonl"], "does not exist"),
+        "lr beyond fp32": (ok + ["--lr", "1e39"], "--lr must be finite in fp32"),
+        "out empty": (ok + ["--out", ""], "names no file"),
+        "out a missing folder/": (ok + ["--out", os.path.join(root, "nowhere", "")],
+                                  "names no file"),
+        "benchmark out empty": (["--benchmark", "--out", ""], "names no file"),
         "later folder not a wnid": (["--data", os.path.join(root, "bad"), "--corruptions",
                                      "gaussian_noise,shot_noise", "--model", CLI_MODEL,
                                      "--checkpoint", ckpt], "not an ImageNet-1k WordNet id"),
@@ -2301,6 +2340,11 @@ def bad_input_cases(root, ckpt):
         "audit source": (["--audit", "--method", "source"], "source releases nothing"),
         "summarize missing": (["--summarize", "/nonexistent.jsonl"], "does not exist"),
         "summarize binary": (["--summarize", ckpt], "not a JSONL file"),
+        "summarize a run flag": (["--summarize", ckpt, "--method", "tent"],
+                                 "--method does not apply to --summarize"),
+        "benchmark a privacy flag": (["--benchmark", "--eps", "1"],
+                                     "--eps does not apply to --benchmark"),
+        "audit a run flag": (["--audit", "--setting", "mixed"], "--setting does not apply"),
         "resume binary": (ok + ["--resume", "--out", ckpt], "not a JSONL file"),
         # flags that would change nothing: refused, never recorded as a setting
         "hp unused by the method": (ok + ["--method", "tent", "--hp", "e_margin=0.5"],
@@ -2349,7 +2393,7 @@ def bad_input_cases(root, ckpt):
 def test_cli_bad_input_is_one_line_and_exit_2_before_any_image(tree, case, capsys):
     root, ckpt = tree
     argv, message = bad_input_cases(str(root), str(ckpt))[case]
-    if "--out" not in argv:
+    if "--out" not in argv and "--summarize" not in argv:  # (--summarize writes nothing)
         argv = argv + ["--out", os.devnull]
     if "--workers" not in argv:
         argv = argv + ["--workers", "0"]
@@ -2396,6 +2440,18 @@ def test_photo_privacy_unit_through_the_cli(tree, tmp_path):
     assert led["eps_per_photo"] == pytest.approx(5, rel=1e-6)  # the photo gets ε
     assert led["eps_per_test_image"] < 5
     assert "per photo" in r.stdout and rec["key"]["privacy_unit"] == "photo"
+    # one mixed stream: a photo's 2 versions may share a batch, which they move by 2·2C: μ·2
+    r, rec = adapt(tree, tmp_path / "m.jsonl", "--method", "dp_tent", "--eps", 5,
+                   "--privacy-unit", "photo", "--setting", "mixed")
+    led = rec["ledger"]
+    assert led["sigma"] == pytest.approx(1.9601 * 2, abs=2e-4) and "one mixed stream" in r.stdout
+    assert led["mu_per_photo"] == pytest.approx(2 * 2 / led["sigma"])
+    assert led["eps_per_photo"] == pytest.approx(5, rel=1e-6)
+    r, rec = adapt(tree, tmp_path / "i.jsonl", "--method", "dp_tent", "--eps", 5,
+                   "--setting", "mixed")
+    led = rec["ledger"]  # the image unit: its photo's line says the worst case too
+    assert led["sigma"] == pytest.approx(1.9601, abs=1e-4)
+    assert led["mu_per_photo"] == pytest.approx(2 * 2 / led["sigma"])
 
 
 def test_a_diverging_run_stops_naming_the_batch_and_records_no_result(tree, tmp_path, capsys,
@@ -2452,8 +2508,8 @@ def killed_in(corruption, monkeypatch, where="stream"):
             raise KeyboardInterrupt
         return real_stream(adapter, loader, c, **kw)
 
-    def save(path, state):
-        real_save(path, state)
+    def save(path, state, **kwargs):
+        real_save(path, state, **kwargs)
         if state["done"][-1:] == [corruption] and where == "save":  # (the first save: none done)
             raise KeyboardInterrupt
 
@@ -2501,6 +2557,37 @@ def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp
     assert seeded["ledger"]["noise"] == "replayed" and secret_1["ledger"]["noise"] == "secret"
 
 
+def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tmp_path,
+                                                                       monkeypatch, capsys):
+    """A permission error is no corrupt image: skipped as one, it would be a gray placeholder
+    in the released step, and the real image under the same noise after a resume (two
+    releases of one batch, the noise cancelling in their difference). It stops the run with
+    exit 4 before the batch is stepped; --resume then ends as a run that never stopped."""
+    root, ckpt = tree
+    argv = ["--data", str(root), "--checkpoint", str(ckpt)] + RESUMABLE + ["--noise-seed", "3"]
+    assert dptta.main(argv + ["--out", str(tmp_path / "whole.jsonl")]) == 0
+    locked = sorted((root / "shot_noise" / "5").rglob("*.JPEG"))[5]
+    real = dptta.load_rgb
+
+    def load_rgb(path):
+        if path == str(locked):
+            raise PermissionError(13, "Permission denied", path)
+        return real(path)
+
+    monkeypatch.setattr(dptta, "load_rgb", load_rgb)
+    out = tmp_path / "r.jsonl"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv + ["--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 4 and "Permission denied" in err and str(locked) in err, err
+    assert len(err.splitlines()) == 1 and "--resume goes on" in err
+    monkeypatch.undo()
+    assert [r["corruption"] for r in records(out)] == ["gaussian_noise"]
+    assert dptta.main(argv + ["--out", str(out)]) == 0
+    assert final_record(out)["drift"] == final_record(tmp_path / "whole.jsonl")["drift"]
+
+
 def test_resume_refuses_a_stream_whose_files_changed(tree, tmp_path, monkeypatch, capsys):
     """A resumed stream meets the saved noise again: on other images the same noise would
     cancel in the difference of the two releases. A file changed since the state (its bytes
@@ -2516,7 +2603,19 @@ def test_resume_refuses_a_stream_whose_files_changed(tree, tmp_path, monkeypatch
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         dptta.main(argv + RESUMABLE)
-    assert e.value.code == 2 and "files changed since" in capsys.readouterr().err
+    assert e.value.code == 2 and "shot_noise: files changed since" in capsys.readouterr().err
+    fisher = tmp_path / "clean"  # EATA's F is recomputed on a resume: from the same images
+    image_folder(fisher, "n01440764", 4)
+    eata = argv + RESUMABLE[:-3] + ["--method", "dp_eata", "--resume", "--fisher-data", str(fisher),
+                                    "--out", str(tmp_path / "e.jsonl")]
+    killed_in("shot_noise", monkeypatch)
+    assert dptta.main(eata) == 130
+    monkeypatch.undo()
+    os.utime(fisher / "n01440764" / "0.JPEG", ns=(10**18, 10**18))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        dptta.main(eata)
+    assert e.value.code == 2 and "--fisher-data: files changed since" in capsys.readouterr().err
     smoke = ["--synthetic", "2", "--corruptions", "gaussian_noise,shot_noise", "--model",
              CLI_MODEL, "--workers", "0", "--method", "dp_tent", "--resume", "--batch-size", "2",
              "--out", str(tmp_path / "s.jsonl")]
@@ -2524,6 +2623,32 @@ def test_resume_refuses_a_stream_whose_files_changed(tree, tmp_path, monkeypatch
     assert dptta.main(smoke) == 130
     monkeypatch.undo()
     assert dptta.main(smoke) == 0 and "resumed run" in capsys.readouterr().out
+
+
+def test_a_state_that_cannot_be_saved_stops_the_run_before_its_first_image(tree, tmp_path,
+                                                                          monkeypatch, capsys):
+    """Without its first state a run could not resume, and a kill would orphan its releases:
+    a state file that cannot be written (its name too long, here) stops the run with exit 4
+    before any image, leaving no record and no .tmp; a kill while a state is being written
+    leaves no .tmp (a copy of the secret noise) either."""
+    root, ckpt = tree
+    out = tmp_path / ("r" * 240 + ".jsonl")  # a name the file system takes, its state's not
+    argv = ["--data", str(root), "--checkpoint", str(ckpt), "--out", str(out)] + RESUMABLE
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 4 and "no image was read" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+    real = torch.save
+
+    def killed_while_saving(state, f):
+        real(state, f)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_while_saving)
+    argv[argv.index(str(out))] = str(tmp_path / "r.jsonl")
+    assert dptta.main(argv) == 130
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_kill_between_state_and_record_neither_loses_nor_repeats_a_record(tree, tmp_path,
@@ -2710,6 +2835,33 @@ def test_cli_eata_uses_fisher_data(tree, tmp_path, monkeypatch):
     assert "  gaussian_noise 4/13 top-1" in r.stdout
     r, _ = adapt(tree, tmp_path / "r.jsonl", "--method", "dp_eata", "--eps", 5)
     assert "no anti-forgetting penalty" in r.stderr
+
+
+def test_fishers_unreadable_images_are_skipped_and_counted_not_fed_as_gray(tree, tmp_path,
+                                                                           monkeypatch):
+    """F is computed on the readable clean images only (an unreadable image's placeholder is
+    gray, no image), their number is said, and Fisher data with none readable is refused."""
+    clean = tmp_path / "clean"
+    image_folder(clean, "n01440764", 3)
+    (clean / "n01440764" / "junk.JPEG").write_bytes(b"not an image")
+    fed, real = [], dptta.fisher_information
+
+    def fisher_information(model, params, images, n=2000):
+        batches = list(images)
+        fed.extend(len(x) for x in batches)
+        return real(model, params, iter(batches), n)
+
+    monkeypatch.setattr(dptta, "fisher_information", fisher_information)
+    r, rec = adapt(tree, tmp_path / "r.jsonl", "--method", "eata", "--lr", "1e-3",
+                   "--fisher-data", clean, "--corruptions", "gaussian_noise")
+    assert sum(fed) == 3 and "--fisher-data: 1 unreadable image(s) skipped" in r.stderr
+    for good in range(3):
+        (clean / "n01440764" / f"{good}.JPEG").write_bytes(b"no image either")
+    root, ckpt = tree
+    r = run_main("--data", root, "--corruptions", "gaussian_noise", "--model", CLI_MODEL,
+                 "--checkpoint", ckpt, "--workers", 0, "--method", "eata", "--lr", "1e-3",
+                 "--fisher-data", clean, "--out", tmp_path / "n.jsonl")
+    assert r.returncode == 2 and "none of its images is readable" in r.stderr
 
 
 def test_a_replayed_noise_seed_is_labelled_not_private_everywhere(tree, tmp_path, capsys,
@@ -2967,11 +3119,18 @@ def test_summarize_skips_and_names_records_it_cannot_read(tmp_path, capsys):
     nan = dict(fake_run("tent", 1, 61.0), mean="nan")
     partial = {"mode": "corruption", "key": fake_run("tent", 2, 0)["key"], "accuracy": "nan"}
     mine = fake_run("my_loss", 0, 70.0)
+    odd = []  # fields of the wrong type: a count for the corruptions, no ε, a nameless method
+    for field, value in (("corruptions", 5), ("eps", None), ("method", " "), ("seed", [1])):
+        odd.append(fake_run("dp_tent", 0, 50.0, eps=5.0))
+        odd[-1]["key"][field] = value
+    odd.append(dict(partial, accuracy=50.0, key=odd[0]["key"]))  # (a corruption's record too)
     path = tmp_path / "r.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in (good, no_key, nan, partial, mine)))
+    lines = [json.dumps(x) for x in (good, no_key, nan, partial, mine, *odd)]
+    path.write_text("\n".join(lines + ["[" * 100_000 + "]" * 100_000]) + "\n")
     assert dptta.main(["--summarize", str(path)]) == 0
     captured = capsys.readouterr()
-    assert "skipped 3 record(s) lacking fields or finite numbers (line(s) 2, 3, 4)" in captured.err
+    assert "skipped 8 record(s) lacking fields or finite numbers (line(s) 2, 3, 4, 6, 7" in captured.err
+    assert "skipped 1 damaged line(s) (11)" in captured.err  # nested too deep for json
     rows = [line.split()[0] for line in captured.out.splitlines() if line[:1].isalpha()]
     assert rows[-2:] == ["tent", "my_loss"]
 
