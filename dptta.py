@@ -28,6 +28,7 @@ through it from the command line; the Appendix holds the tools (--summarize, --b
 # ============================================================================
 # Part I: DP-TTA (torch, numpy, scipy). Part II: ImageNet-C from the command line; Appendix: tools
 import contextlib
+import copy
 import math
 import os
 import re
@@ -771,11 +772,12 @@ class DPTTA(nn.Module):
         return dict(state, state=self.state)
 
     def set_extra_state(self, state):
+        need("shuffles" in state, "a checkpoint of an older dptta, with its noise: not loaded")
         mine = self._identity()
         need(state["who"] == mine, f"a checkpoint of {state['who']} cannot resume {mine}")
         self._set_theta(*state["theta"])
-        if self.opt is not None:
-            self.opt.load_state_dict(state["opt"])
+        if self.opt is not None:  # (a copy: the optimizer would step the checkpoint's buffers)
+            self.opt.load_state_dict(copy.deepcopy(state["opt"]))
         self.state = state["state"]
         # (a generator's state is a CPU tensor, even a CUDA generator's: torch.load's
         # map_location may have moved it)
@@ -1156,8 +1158,8 @@ class DPNorm(DPTTA):
 # ============================================================================
 # Part II: ImageNet-C from the command line (data, the paper's values, records, main)
 import argparse
-import copy
 import hashlib
+import io
 import json
 import signal
 import stat
@@ -1192,8 +1194,22 @@ def reached_once(seen, path, node):
     need(first == path, f"{path} is {first} again (a link?): an image is in a stream once")
 
 
+class UnreadableFile(OSError):
+    """A file the system could not read (permissions, a failing disk), unlike a corrupt
+    image: it stops the run. Readable later, it would be another stream under the same noise."""
+
+
+def read_file(path):
+    """The file's bytes; the system's failure to read them is an UnreadableFile, named."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UnreadableFile(f"cannot read {path}: {e.strerror}") from e
+
+
 def load_rgb(path):
-    """An RGB image. PIL's convert clips a 16-bit greyscale PNG (I;16) at 255, 99.7% white:
+    """An RGB image (path: a file's path or its bytes' io.BytesIO). PIL's convert clips a 16-bit greyscale PNG (I;16) at 255, 99.7% white:
     it is scaled to 8 bits instead; a 32-bit integer or float image is refused (unreadable)."""
     with Image.open(path) as img:
         if img.mode.startswith("I;16"):
@@ -1253,18 +1269,15 @@ class WnidFolder(ImageFolder):
         return samples
 
     def __getitem__(self, i):
-        """(image, ImageNet index), or (None, path) for an image that cannot be decoded. A file
-        the system cannot read (permissions, a failing disk: an OSError with an errno) stops
-        the run instead: readable later, it would be another stream under the same noise."""
+        """(image, ImageNet index), or (None, path) for an image that cannot be decoded. The
+        file is read first, and a read that fails stops the run (UnreadableFile); whatever
+        goes wrong decoding its bytes is the file's own, and skips it."""
         path, c = self.samples[i]
+        data = read_file(path)
         try:
-            return self.transform(load_rgb(path)), self.imagenet_index[c]
-        except OSError as e:
-            if e.errno is not None:
-                raise
-            return None, path  # truncated, corrupt, not an image
-        except (ValueError, SyntaxError, Image.DecompressionBombError):
-            return None, path  # a mode PIL cannot convert, a broken header, a decompression bomb
+            return self.transform(load_rgb(io.BytesIO(data))), self.imagenet_index[c]
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+            return None, path  # truncated, corrupt, not an image, a decompression bomb
 
 
 def collate_skipping(batch):
@@ -1607,7 +1620,11 @@ def parse_args(argv=None):
     g("--audit", action="store_true", help="an empirical ε lower bound")
     g("--trials", type=number(int, 100), help="--audit: white-box trials (default 20000)")
     g("--e2e-trials", type=number(int, 100), help="--audit: end-to-end trials (default 5000)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for action in ap._actions:  # parsed again with no defaults: the flags the command gave
+        action.default = argparse.SUPPRESS
+    args.given = sorted(vars(ap.parse_args(argv)))
+    return args
 
 
 TOOL_FLAGS = dict(
@@ -1630,11 +1647,10 @@ MODE_FLAGS = dict(
 
 def check_common(args, mode=None):
     """What every mode reads: no other mode's flag, the device and dtype (decided once)."""
-    defaults = vars(parse_args([]))
-    for flag, value in vars(args).items():
-        unread = mode is not None and flag not in MODE_FLAGS[mode].split() + ["device", "workers"]
-        refused = f"--{flag.replace('_', '-')} does not apply to --{mode}"
-        require(not unread or value == defaults[flag], refused)
+    if mode is not None:
+        unread = set(args.given) - set(MODE_FLAGS[mode].split()) - {"device", "workers"}
+        unread = sorted(f"--{flag.replace('_', '-')}" for flag in unread) + [None]
+        require(unread[0] is None, f"{unread[0]} does not apply to --{mode}")
     for flag, (tool, default) in TOOL_FLAGS.items():
         value = getattr(args, flag)
         require(
@@ -2214,9 +2230,10 @@ def main(argv=None):
         if e.code == 3 and state and os.path.exists(state):  # diverged: nothing to resume
             os.remove(state)
         raise
-    except OSError as e:  # an image the system cannot read (a DataLoader worker's: its last line)
-        last = str(e).strip().splitlines()[-1]
-        fail(f"{last}; stopped before stepping on it: --resume goes on once it reads", 4)
+    except UnreadableFile as e:  # (from a DataLoader worker: its message holds its traceback)
+        unread = re.search(r"cannot read .*", str(e))[0]
+        hint = ": --resume goes on once it reads" if state and os.path.exists(state) else ""
+        fail(f"{unread}; stopped before stepping on its batch{hint}", 4)
     except KeyboardInterrupt:
         signum = STOP[0] if STOP else signal.SIGINT
         print(
@@ -2392,8 +2409,10 @@ def resumed(args, adapter, resume, key, state, mine, data):
     """A killed run's bookkeeping, its adapter where it stood; the records the state holds
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
-    require("noise" in resume, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
-    changed = [name for name in data if resume["data"].get(name) != data[name]] + [None]
+    older = "noise" not in resume or not isinstance(resume.get("data"), dict)
+    require(not older, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
+    folders = sorted(set(data) | set(resume["data"]))
+    changed = [name for name in folders if resume["data"].get(name) != data.get(name)] + [None]
     require(
         changed[0] is None,  # each folder's digest now
         f"{changed[0]}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}",
@@ -2840,7 +2859,6 @@ def audit_cli(args):
     """White-box and end-to-end ε_lb of --method at --eps, on a tiny random ViT (dp_norm: a
     BatchNorm CNN, white-box only)."""
     check_common(args, "audit")
-    require(args.model is None, "--audit has its own model: --model does not apply")
     check_out(args, "results-audit.jsonl")
     record = METHODS[args.method]
     private, norm = record.private, record.step == "norm"
@@ -2854,6 +2872,8 @@ def audit_cli(args):
     if private:
         kwargs = dict(eps=eps, delta=delta)
     claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
+    require(args.delta is None or claim, "--delta applies to a dp_ method with a finite --eps")
+    require(not norm or (args.clip, args.lr) == (None, None), f"{args.method} takes no --clip, --lr")
     torch.manual_seed(args.seed)
     model = audit_model(norm)
     if not norm:

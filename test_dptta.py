@@ -1030,12 +1030,21 @@ def test_a_checkpoint_resumes_the_run_but_never_its_noise():
     a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=1.0)
     a(images(6, 0))
     saved, x, steps = copy.deepcopy(a.state_dict()), images(6, 1), []
+    first_momentum = [s["momentum_buffer"].clone()
+                      for s in saved["_extra_state"]["opt"]["state"].values()]
     for _ in range(2):
         a.load_state_dict(saved)
         a(x)
         steps.append(torch.cat([p.detach().flatten() for p in a.params.values()]))
     noise = a.sigma * 1.0 / len(x) * math.sqrt(2 * len(steps[0]))  # ‖lr·(z1 − z2)·σC/B‖
     assert (steps[0] - steps[1]).norm().item() == pytest.approx(noise, rel=0.3)
+    momentum = [s["momentum_buffer"] for s in saved["_extra_state"]["opt"]["state"].values()]
+    assert all(torch.equal(m, buf) for m, buf in zip(momentum, first_momentum))  # not stepped
+    older = copy.deepcopy(saved)  # as the dptta before this one saved it: the noise inside
+    older["_extra_state"]["generators"] = (a.noise_gen.get_state(),
+                                           older["_extra_state"].pop("shuffles"))
+    with pytest.raises(ValueError, match="older dptta, with its noise: not loaded"):
+        a.load_state_dict(older)
     c = dptta.DPTTA(tiny_vit(), "dp_tent", eps=1, clip=1.0, lr=0.1)
     with pytest.raises(ValueError, match="cannot resume"):
         c.load_state_dict(torch.load(path))
@@ -2345,6 +2354,12 @@ def bad_input_cases(root, ckpt):
         "benchmark a privacy flag": (["--benchmark", "--eps", "1"],
                                      "--eps does not apply to --benchmark"),
         "audit a run flag": (["--audit", "--setting", "mixed"], "--setting does not apply"),
+        "benchmark a default given": (["--benchmark", "--method", "dp_tent"],
+                                      "--method does not apply to --benchmark"),
+        "audit delta, no claim": (["--audit", "--method", "tent", "--delta", "0.5"],
+                                  "--delta applies to a dp_ method with a finite --eps"),
+        "audit dp_norm clip": (["--audit", "--method", "dp_norm", "--clip", "3"],
+                               "dp_norm takes no --clip, --lr"),
         "resume binary": (ok + ["--resume", "--out", ckpt], "not a JSONL file"),
         # flags that would change nothing: refused, never recorded as a setting
         "hp unused by the method": (ok + ["--method", "tent", "--hp", "e_margin=0.5"],
@@ -2559,31 +2574,39 @@ def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp
 
 def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tmp_path,
                                                                        monkeypatch, capsys):
-    """A permission error is no corrupt image: skipped as one, it would be a gray placeholder
-    in the released step, and the real image under the same noise after a resume (two
-    releases of one batch, the noise cancelling in their difference). It stops the run with
-    exit 4 before the batch is stepped; --resume then ends as a run that never stopped."""
-    root, ckpt = tree
-    argv = ["--data", str(root), "--checkpoint", str(ckpt)] + RESUMABLE + ["--noise-seed", "3"]
+    """A read that fails is no corrupt image: skipped as one, it would be a gray placeholder in
+    the released step, and the real image under the same noise after a resume (two releases
+    of one batch, the noise cancelling in their difference). Here a listed file becomes a
+    folder mid-run (unreadable as a file, even to root): the run stops with exit 4, naming
+    it, before its batch is stepped; once it reads again, --resume ends as a run that never
+    stopped."""
+    root = tmp_path / "c"
+    shutil.copytree(tree[0], root)  # (its files' times kept: the digest of the tree)
+    argv = ["--data", str(root), "--checkpoint", str(tree[1])] + RESUMABLE + ["--noise-seed", "3"]
     assert dptta.main(argv + ["--out", str(tmp_path / "whole.jsonl")]) == 0
     locked = sorted((root / "shot_noise" / "5").rglob("*.JPEG"))[5]
-    real = dptta.load_rgb
+    saved, st = locked.read_bytes(), locked.stat()
+    real = dptta.stream_through
 
-    def load_rgb(path):
-        if path == str(locked):
-            raise PermissionError(13, "Permission denied", path)
-        return real(path)
+    def stream(adapter, loader, label, **kwargs):
+        if label == "shot_noise":
+            locked.unlink()
+            locked.mkdir()
+        return real(adapter, loader, label, **kwargs)
 
-    monkeypatch.setattr(dptta, "load_rgb", load_rgb)
+    monkeypatch.setattr(dptta, "stream_through", stream)
     out = tmp_path / "r.jsonl"
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         dptta.main(argv + ["--out", str(out)])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 4 and "Permission denied" in err and str(locked) in err, err
-    assert len(err.splitlines()) == 1 and "--resume goes on" in err
+    assert e.value.code == 4 and f"cannot read {locked}: Is a directory" in err, err
+    assert len(err.splitlines()) == 1 and "--resume goes on once it reads" in err
     monkeypatch.undo()
     assert [r["corruption"] for r in records(out)] == ["gaussian_noise"]
+    locked.rmdir()
+    locked.write_bytes(saved)
+    os.utime(locked, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert dptta.main(argv + ["--out", str(out)]) == 0
     assert final_record(out)["drift"] == final_record(tmp_path / "whole.jsonl")["drift"]
 
@@ -2717,6 +2740,12 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     older = torch.load(io.BytesIO(good), weights_only=False)
     older["adapter"]["generators"] = older.pop("noise"), older["adapter"].pop("shuffles")
     torch.save(older, state)  # as the dptta before this one saved it: the noise in the adapter
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv)
+    assert e.value.code == 2 and "from an older dptta" in capsys.readouterr().err
+    older = torch.load(io.BytesIO(good), weights_only=False)
+    older["data"] = "0" * 64  # one digest for all the streams, as one earlier dptta saved it
+    torch.save(older, state)
     with pytest.raises(SystemExit) as e:
         dptta.main(argv)
     assert e.value.code == 2 and "from an older dptta" in capsys.readouterr().err
