@@ -1727,6 +1727,7 @@ def check_args(args):
     if args.synthetic and args.corruptions == list(CORRUPTIONS):  # a short smoke run
         args.corruptions = args.corruptions[:3]
     require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
+    require(not (args.synthetic and "data" in args.given), "--synthetic makes its own tree: no --data")
     require(
         args.synthetic or os.path.isdir(args.data), f"--data {args.data} is not a folder; {LAYOUT}"
     )
@@ -2236,8 +2237,13 @@ def main(argv=None):
         fail(f"{unread}; stopped before stepping on its batch{hint}", 4)
     except KeyboardInterrupt:
         signum = STOP[0] if STOP else signal.SIGINT
+        done = "no corruption finished"
+        if os.path.exists(args.out) and args.out != os.devnull:
+            done = f"finished corruptions are in {args.out}"
+        resumable = state is not None and os.path.exists(state)
+        how = "--resume goes on" if resumable else "nothing to resume"
         print(
-            f"dptta: stopped by {signal.Signals(signum).name}; finished corruptions are in {args.out}, no final record (--resume goes on)",
+            f"dptta: stopped by {signal.Signals(signum).name}; {done}, no final record ({how})",
             file=sys.stderr,
         )
         return 128 + signum
@@ -2342,6 +2348,7 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         sources = {"mixed": or_fail(Mixed, streams)}
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
+    run["device"] = args.device  # (a generator's state is its device's: CPU and CUDA differ)
     folders = dict(streams)
     if fisher_loader is not None:
         folders["--fisher-data"] = fisher_loader.dataset.dataset  # (a Subset of the folder)
@@ -2411,6 +2418,8 @@ def resumed(args, adapter, resume, key, state, mine, data):
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
     older = "noise" not in resume or not isinstance(resume.get("data"), dict)
     require(not older, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
+    saved_on = resume["device"]
+    require(saved_on == args.device, f"{state} was saved on {saved_on}: --device {saved_on} resumes it")
     folders = sorted(set(data) | set(resume["data"]))
     changed = [name for name in folders if resume["data"].get(name) != data.get(name)] + [None]
     require(

@@ -2305,8 +2305,9 @@ def bad_input_cases(root, ckpt):
         "hp not a number": (ok + ["--hp", "e_margin=big"], "is not a float"),
         "hp inf": (ok + ["--hp", "rho=inf"], "must be finite"),
         "unknown model": (run + ["--model", "no_such_net"], "unknown timm model"),
-        "batchnorm": (["--data", root, "--corruptions", "gaussian_noise", "--model", "resnet18",
+        "batchnorm": (["--corruptions", "gaussian_noise", "--model", "resnet18",
                        "--synthetic", "2", "--method", "dp_tent"], "BatchNorm"),
+        "synthetic and data": (ok + ["--synthetic", "2"], "--synthetic makes its own tree"),
         "checkpoint mismatch": (run + ["--model", "vit_small_patch16_224", "--checkpoint", ckpt],
                                 "does not fit"),
         "checkpoint empty": (run + ["--checkpoint", os.path.join(root, "empty.pth")],
@@ -2749,6 +2750,12 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     with pytest.raises(SystemExit) as e:
         dptta.main(argv)
     assert e.value.code == 2 and "from an older dptta" in capsys.readouterr().err
+    elsewhere = torch.load(io.BytesIO(good), weights_only=False)
+    elsewhere["device"] = "cuda"  # a CUDA generator's state would not fit a CPU's
+    torch.save(elsewhere, state)
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv)
+    assert e.value.code == 2 and "saved on cuda: --device cuda resumes it" in capsys.readouterr().err
     state.write_bytes(good)
     assert dptta.main(argv) == 0 and not state.exists()
     state.write_bytes(good)  # as if killed between the run's record and the state's removal
@@ -3092,7 +3099,10 @@ def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path):
     p.stdout.readline()  # streaming
     p.send_signal(signal.SIGINT)
     assert p.wait(timeout=60) == 130
-    assert "stopped by SIGINT" in p.stderr.read()
+    err = p.stderr.read()
+    states = list(tmp_path.glob("r.jsonl.*.pt"))  # (none if stopped before its first save)
+    assert "stopped by SIGINT" in err and ("(--resume goes on)" in err) == bool(states), err
+    assert out.exists() or "no corruption finished" in err  # (not "... are in r.jsonl")
     assert not list(tmp_path.glob("dptta-synthetic-*"))
     assert not out.exists() or not any(x["mode"] == "adapt" for x in records(out))
 
