@@ -338,6 +338,9 @@ def secret_mt19937_state(state):
     return state
 
 
+FP32_MAX = torch.finfo(torch.float32).max  # C and lr meet θ in fp32: a larger one overflows
+
+
 def at_least_fp32(t):
     """bf16 and fp16 to fp32 (fp32 and fp64 kept): a rounded clip factor can push a norm over
     C, and bf16 noise is too coarse to be Gaussian."""
@@ -671,8 +674,9 @@ class DPTTA(nn.Module):
         need(eps is not None or not method.private, f"{name} needs eps (inf: clip only)")
         _check_privacy(eps=eps, delta=delta)
         need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
-        need(clip is None or 0 < clip < math.inf, f"clip must be finite and > 0, got {clip}")
-        need(not gradient or lr is not None and 0 < lr < math.inf, f"{name} needs a finite lr > 0")
+        bad_clip = f"clip must be finite and > 0 (fp32), got {clip}"
+        need(clip is None or 0 < clip <= FP32_MAX, bad_clip)
+        need(not gradient or lr is not None and 0 < lr <= FP32_MAX, f"{name} needs a finite lr > 0")
         need(privacy_unit in ("image", "photo"), "privacy_unit is 'image' or 'photo'")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
@@ -1209,8 +1213,9 @@ def read_file(path):
 
 
 def load_rgb(path):
-    """An RGB image (path: a file's path or its bytes' io.BytesIO). PIL's convert clips a 16-bit greyscale PNG (I;16) at 255, 99.7% white:
-    it is scaled to 8 bits instead; a 32-bit integer or float image is refused (unreadable)."""
+    """An RGB image from a path or a file's bytes (io.BytesIO). PIL's convert clips a 16-bit
+    greyscale PNG (I;16) at 255, 99.7% white: it is scaled to 8 bits instead; a 32-bit integer
+    or float image is refused (unreadable)."""
     with Image.open(path) as img:
         if img.mode.startswith("I;16"):
             pixels = np.asarray(img, dtype=np.float64) / 257  # 65535 -> 255
@@ -1547,7 +1552,7 @@ def number(kind, low, high=math.inf, strict=False):
     if high == math.inf:
         shown = f"> {low}" if strict else f">= {low}"
         if kind is float:
-            shown, high = f"finite in fp32 and {shown}", torch.finfo(torch.float32).max
+            shown, high = f"finite in fp32 and {shown}", FP32_MAX
     elif strict:
         shown = f"in ({low}, {high})"
 
@@ -1727,7 +1732,8 @@ def check_args(args):
     if args.synthetic and args.corruptions == list(CORRUPTIONS):  # a short smoke run
         args.corruptions = args.corruptions[:3]
     require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
-    require(not (args.synthetic and "data" in args.given), "--synthetic makes its own tree: no --data")
+    ignored = args.synthetic and "data" in args.given
+    require(not ignored, "--synthetic makes its own tree: --data does not apply")
     require(
         args.synthetic or os.path.isdir(args.data), f"--data {args.data} is not a folder; {LAYOUT}"
     )
@@ -2373,7 +2379,8 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         )
         empty = [c for c, images in zip(groups, scored) if not images] + [None]
         if empty[0] is not None:  # a 0% of no image would be a made-up measurement
-            fail(f"{empty[0]}: no image of it could be read; stopped, no record of it or the run", 3)
+            unread = f"{empty[0]}: no image of it could be read"
+            fail(f"{unread}; stopped, no record of it or the run", 3)
         run["images"] += sum(scored)
         run["unreadable"] += bad
         run["drift"][label] = drift = drift_of(adapter)
@@ -2419,7 +2426,8 @@ def resumed(args, adapter, resume, key, state, mine, data):
     older = "noise" not in resume or not isinstance(resume.get("data"), dict)
     require(not older, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
     saved_on = resume["device"]
-    require(saved_on == args.device, f"{state} was saved on {saved_on}: --device {saved_on} resumes it")
+    elsewhere = f"{state} was saved on {saved_on}: --device {saved_on} resumes it"
+    require(saved_on == args.device, elsewhere)
     folders = sorted(set(data) | set(resume["data"]))
     changed = [name for name in folders if resume["data"].get(name) != data.get(name)] + [None]
     require(
@@ -2882,7 +2890,8 @@ def audit_cli(args):
         kwargs = dict(eps=eps, delta=delta)
     claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
     require(args.delta is None or claim, "--delta applies to a dp_ method with a finite --eps")
-    require(not norm or (args.clip, args.lr) == (None, None), f"{args.method} takes no --clip, --lr")
+    no_step = f"{args.method} takes no --clip, --lr"
+    require(not norm or (args.clip, args.lr) == (None, None), no_step)
     torch.manual_seed(args.seed)
     model = audit_model(norm)
     if not norm:

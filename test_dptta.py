@@ -739,6 +739,8 @@ def test_method_constants_follow_a_given_number_of_classes():
     (dict(method="dp_tent", clip=0.0, lr=0.1, eps=1), "clip must be finite and > 0"),
     (dict(method="dp_tent", clip=math.inf, lr=0.1, eps=1), "clip must be finite and > 0"),
     (dict(method="tent", clip=-1.0, lr=0.1), "clip must be finite and > 0"),
+    (dict(method="dp_tent", clip=1e39, lr=0.1, eps=1), "clip must be finite and > 0 \\(fp32\\)"),
+    (dict(method="dp_tent", clip=1.0, lr=1e39, eps=1), "needs a finite lr > 0"),
     (dict(method="tent", lr=0.0), "needs a finite lr > 0"),
     (dict(method="dp_tent", lr=math.inf, clip=1.0, eps=1), "needs a finite lr > 0"),
     (dict(method="tent"), "needs a finite lr > 0"),
