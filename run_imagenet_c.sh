@@ -26,15 +26,18 @@
 # Resumable: every cell runs with --resume, so cells already in $OUT are skipped.
 # The paper's constants are passed where they differ from the originals' (--hp e_margin=0.5
 # for SAR, --hp plpd_threshold=0.3 for DeYO; see PAPER_CONSTANTS in dptta.py).
-# Ctrl-C or SIGTERM stops every worker and the cell each is running.
+# Ctrl-C, SIGTERM or SIGHUP stops every worker and the cell each is running. Every cell is
+#   checked as dptta.py checks it before the first one runs; a cell that fails later is named,
+#   the others run, and the grid exits 1 after the summary.
 # Time (an estimate, not measured here): ViT-B/16 in bf16 on one H100-class GPU streams
 #   roughly 1,000 images/s; a cell is 15 x 50,000 images, ~13 min. The main grid is
 #   (1 source + 5 methods x 7 columns) x 2 settings = 72 cells per seed, ~16 GPU-hours per seed.
 #   The tune stage is 5 x 45 x 6 x 2 = 2,700 cells on 4 corruptions: use EXTRA="--limit 2000".
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script
-SEEDS=${SEEDS:-"0 1 2"}; SETTINGS=${SETTINGS:-"continual episodic"}; BATCHES=${BATCHES:-64}
-METHODS=${METHODS:-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS:-"plain clip dp"}
+# (set but empty: an empty grid, refused, never the whole grid)
+SEEDS=${SEEDS-"0 1 2"}; SETTINGS=${SETTINGS-"continual episodic"}; BATCHES=${BATCHES-64}
+METHODS=${METHODS-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS-"plain clip dp"}
 EPSILONS=${EPSILONS-"20 15 10 5 1"}
 OUT=${OUT:-results.jsonl}; TUNE_OUT=${TUNE_OUT:-tune.jsonl}; TUNED=${TUNED:-tuned.json}
 EXTRA=${EXTRA:-}; PYTHON=${PYTHON:-python3}
@@ -47,6 +50,7 @@ for arg in "$@"; do
 done
 trap 'exit 130' INT   # until the workers exist: stop after the command at hand
 trap 'exit 143' TERM
+trap 'exit 129' HUP   # (a dropped ssh session)
 if [ $tuned = 1 ] && [ ! -f "$TUNED" ]; then
   echo "run_imagenet_c.sh: $TUNED missing: run the tune stage first" >&2; exit 2
 fi
@@ -69,10 +73,22 @@ allowed = {"METHODS": ("source",) + tuple(dptta.PAPER_LR["continual"]),  # the p
            "BATCHES": ("1", "2", "4", "8", "16", "32", "64"),
            "EPSILONS": ("20", "15", "10", "5", "1") if os.environ["STAGE"] == "main" and not tuned
            else tuple(env["EPSILONS"])}
+def is_number(v):
+    try:
+        return 0 < float(v) < 1e9  # (inf and nan are out)
+    except ValueError:
+        return False
+
+
 for name, values in env.items():  # one line and exit 2, before any cell
+    if len(set(values)) < len(values):  # a cell twice: two runs releasing the same images
+        print(f"run_imagenet_c.sh: {name} repeats a value: {' '.join(values)}", file=sys.stderr)
+        sys.exit(2)
     for v in values:
-        number = v.replace(".", "", 1).replace("e-", "", 1).isdigit() and 0 < float(v) < 1e9
-        if (name == "SEEDS" and not v.isdigit() or name == "EPSILONS" and not number
+        if name == "EPSILONS" and not is_number(v):
+            print(f"run_imagenet_c.sh: EPSILONS={v!r} is not a number > 0", file=sys.stderr)
+            sys.exit(2)
+        if (name == "SEEDS" and not v.isdigit()
                 or name in allowed and v not in allowed[name]):
             print(f"run_imagenet_c.sh: {name}={v!r} is not one of "
                   f"{' '.join(allowed.get(name, ['0', '1', '...']))}", file=sys.stderr)
@@ -160,10 +176,17 @@ fi
 # Once, before any cell: the data root and the weights of every model the cells use (offline,
 # each cell would otherwise spend a minute in download retries and fail)
 # shellcheck disable=SC2086  # a cell and EXTRA are lists of flags: split them into words
-CELLS=$cells_text "$PYTHON" - $EXTRA <<'PY' || exit 2
-import os, sys
+CELLS=$cells_text OUT_FILE=$out "$PYTHON" - $EXTRA <<'PY' || exit 2
+import contextlib, io, os, sys
 import dptta
-cells = [dptta.parse_args(cell.split() + sys.argv[1:]) for cell in os.environ["CELLS"].splitlines()]
+grids = {"--method", "--eps", "--clip", "--lr", "--seed", "--setting", "--out", "--resume"}
+given = [flag for flag in sys.argv[1:] if flag.split("=")[0] in grids] + [None]
+dptta.require(given[0] is None, f"EXTRA sets {given[0]}, which the grid sets for each cell")
+cells = []
+for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks it (quietly)
+    argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[1:]
+    with contextlib.redirect_stdout(io.StringIO()):
+        cells.append(dptta.check_args(dptta.parse_args(argv)))
 args = cells[0]
 if not args.synthetic:
     dptta.require(args.data and os.path.isdir(args.data),
@@ -189,34 +212,39 @@ echo "run_imagenet_c.sh: ${#cells[@]} cells ($stage) on $nworkers worker(s)" \
      "($([ "$ngpu" -gt 0 ] && echo "$ngpu GPU(s)" || echo "no GPU: CPU")) -> $out"
 
 worker() {  # worker g runs every nworkers-th cell; a signal stops it and its running cell
-  local g=$1 child= rc j
-  trap '[ -n "$child" ] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT
+  local g=$1 child= rc j failed=0
+  trap '[ -n "$child" ] && kill -TERM "$child" 2> /dev/null; wait; exit 143' TERM INT HUP
   for (( j = g; j < ${#cells[@]}; j += nworkers )); do
     if [ "$ngpu" -gt 0 ]; then export CUDA_VISIBLE_DEVICES=${gpus[$g]}; fi
     "$PYTHON" dptta.py ${cells[$j]} --out "$out" --resume $EXTRA &  # as command_of prints it
     child=$!
     rc=0; wait "$child" || rc=$?
     child=
-    if [ $rc = 130 ] || [ $rc = 143 ]; then exit $rc; fi  # the cell was stopped: so is the worker
-    [ $rc = 0 ] || echo "run_imagenet_c.sh: cell failed (exit $rc): $(command_of "$j")" >&2
+    if [ $rc != 0 ]; then  # (a cell killed alone, 143 or 137, too: the grid goes on)
+      echo "run_imagenet_c.sh: cell failed (exit $rc): $(command_of "$j")" >&2
+      failed=$(( failed + 1 ))
+    fi
   done
+  exit $(( failed > 0 ))
 }
 pids=()
+stop() {
+  trap - INT TERM HUP
+  echo "run_imagenet_c.sh: stopping ${#pids[@]} worker(s)" >&2
+  [ ${#pids[@]} = 0 ] || kill -TERM "${pids[@]}" 2> /dev/null || true
+  wait
+  exit "$1"
+}
+trap 'stop 130' INT  # before the first worker: none is left behind
+trap 'stop 143' TERM
+trap 'stop 129' HUP
 for (( g = 0; g < nworkers; g++ )); do
   worker "$g" &
   pids+=($!)
 done
-stop() {
-  trap - INT TERM
-  echo "run_imagenet_c.sh: stopping ${#pids[@]} worker(s)" >&2
-  kill -TERM "${pids[@]}" 2> /dev/null || true
-  wait
-  exit "$1"
-}
-trap 'stop 130' INT
-trap 'stop 143' TERM
-wait "${pids[@]}"
-trap - INT TERM
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+trap - INT TERM HUP
 
 if [ $stage = tune ]; then  # per setting, method and column: the (C, lr) with the best mean
   "$PYTHON" - "$TUNE_OUT" "$TUNED" <<'PY'
@@ -235,4 +263,8 @@ print(f"chose C and lr for {len(best)} cells -> {sys.argv[2]}")
 PY
 else
   "$PYTHON" dptta.py --summarize "$out"
+fi
+if [ $failed = 1 ]; then  # the summary shows what ran; the exit says that some cells did not
+  echo "run_imagenet_c.sh: some cells failed (each named above): the grid is incomplete" >&2
+  exit 1
 fi

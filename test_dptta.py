@@ -3016,11 +3016,47 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
     r = grid("--dry-run", METHODS="tent", VARIANTS="dp", EPSILONS="")
     assert r.returncode == 2 and "empty" in r.stderr
     for bad in (dict(METHODS="tentt"), dict(VARIANTS="none"), dict(EPSILONS="3"),
-                dict(SEEDS="-1"), dict(SETTINGS="wild"), dict(EXTRA='--data "/a b"')):
-        r = grid("--count", **bad)  # found once, at the start: one line, exit 2
+                dict(SEEDS="-1"), dict(SETTINGS="wild"), dict(EXTRA='--data "/a b"'),
+                dict(METHODS="tent tent"), dict(SEEDS="0 0"), dict(METHODS=""),
+                dict(EPSILONS="e-5", STAGE_ARG="tune")):
+        r = grid("--count", *[bad.pop("STAGE_ARG")] if "STAGE_ARG" in bad else [], **bad)
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and not r.stdout, bad
     r = grid(IMAGENET_C=str(tmp_path / "missing"), METHODS="source", SEEDS="0")
     assert r.returncode == 2 and "is not a folder" in r.stderr and "cells" not in r.stdout
+    smoke = f"--synthetic 2 --model {CLI_MODEL}"
+    for extra, message in ((smoke + " --seed 3", "EXTRA sets --seed, which the grid sets"),
+                           (smoke + " --delta 1e-5", "--delta applies to a dp_ method")):
+        # every cell checked as dptta.py checks it, before the first: not 66 failing cells
+        r = grid(METHODS="tent", VARIANTS="plain dp", EPSILONS="5", SEEDS="0",
+                 SETTINGS="continual", EXTRA=extra, OUT=str(tmp_path / "g.jsonl"))
+        assert r.returncode == 2 and message in r.stderr and "cells" not in r.stdout, r.stderr
+
+
+def test_a_failed_cell_is_named_the_others_run_and_the_grid_exits_1(tmp_path):
+    """A cell that fails (exit 3), or is killed alone (143), is named; the worker goes on to
+    its other cells, and after the summary the grid exits 1: an unattended grid that lost
+    cells never ends as a success."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+case "$1" in -) exec {sys.executable} "$@" ;; esac
+case "$*" in
+  *--summarize*) echo summarized; exit 0 ;;
+  *"--method tent "*) exit 3 ;;
+  *"--method sar "*) exit 143 ;;
+  *) echo "$*" >> {tmp_path}/ran; exit 0 ;;
+esac
+""")
+    fake.chmod(0o755)
+    env = dict(METHODS="tent sar eata", VARIANTS="plain", SEEDS="0", SETTINGS="continual",
+               EXTRA=f"--synthetic 2 --model {CLI_MODEL}", OUT=str(tmp_path / "g.jsonl"),
+               PYTHON=str(fake), PATH="/usr/bin:/bin")
+    if subprocess.run(["sh", "-c", "command -v nvidia-smi"], env=env).returncode == 0:
+        pytest.skip("this machine has nvidia-smi")
+    r = grid(**env)
+    assert r.returncode == 1 and "summarized" in r.stdout, r.stderr
+    assert "cell failed (exit 3)" in r.stderr and "cell failed (exit 143)" in r.stderr
+    assert "the grid is incomplete" in r.stderr
+    assert "--method eata" in (tmp_path / "ran").read_text()  # after both failures
 
 
 def test_grid_runs_on_a_cpu_without_nvidia_smi_and_summarizes(tree, tmp_path):
