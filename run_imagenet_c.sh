@@ -34,6 +34,7 @@
 #   (1 source + 5 methods x 7 columns) x 2 settings = 72 cells per seed, ~16 GPU-hours per seed.
 #   The tune stage is 5 x 45 x 6 x 2 = 2,700 cells on 4 corruptions: use EXTRA="--limit 2000".
 set -euo pipefail
+set -f  # no globbing: EXTRA's and the cells' words reach dptta.py as --dry-run prints them
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script
 # (set but empty: an empty grid, refused, never the whole grid)
 SEEDS=${SEEDS-"0 1 2"}; SETTINGS=${SETTINGS-"continual episodic"}; BATCHES=${BATCHES-64}
@@ -41,13 +42,20 @@ METHODS=${METHODS-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS-"p
 EPSILONS=${EPSILONS-"20 15 10 5 1"}
 OUT=${OUT:-results.jsonl}; TUNE_OUT=${TUNE_OUT:-tune.jsonl}; TUNED=${TUNED:-tuned.json}
 EXTRA=${EXTRA:-}; PYTHON=${PYTHON:-python3}
-stage=main; dry=0; count=0; tuned=0
+stage=; dry=0; count=0; tuned=0
 for arg in "$@"; do
   case $arg in
-    --dry-run) dry=1 ;; --count) count=1 ;; --tuned) tuned=1 ;; tune|main|bn|wild) stage=$arg ;;
+    --dry-run) dry=1 ;; --count) count=1 ;; --tuned) tuned=1 ;;
+    tune|main|bn|wild)
+      if [ -n "$stage" ]; then echo "run_imagenet_c.sh: one stage, not $stage and $arg" >&2; exit 2; fi
+      stage=$arg ;;
     *) echo "run_imagenet_c.sh: unknown argument $arg (see the header)" >&2; exit 2 ;;
   esac
 done
+stage=${stage:-main}
+if [ $tuned = 1 ] && [ $stage != main ]; then
+  echo "run_imagenet_c.sh: --tuned is for the main grid, not $stage" >&2; exit 2
+fi
 trap 'exit 130' INT   # until the workers exist: stop after the command at hand
 trap 'exit 143' TERM
 trap 'exit 129' HUP   # (a dropped ssh session)
@@ -252,7 +260,8 @@ import json, sys
 best = {}
 import dptta
 for _, r in dptta.read_jsonl(sys.argv[1], "the tune stage's"):  # a damaged line: skipped
-    if r.get("mode") != "adapt" or r.get("smoke"):
+    held_out = r.get("key", {}).get("corruptions") == list(dptta.HELD_OUT)
+    if r.get("mode") != "adapt" or r.get("smoke") or not held_out:  # never the test stream
         continue
     m, private = r["method"].removeprefix("dp_"), r["method"].startswith("dp_")
     key = f"{r['setting']}/{m}/{r['eps']:g}" if private else f"{r['setting']}/{m}/clip-only"

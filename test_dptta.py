@@ -3021,6 +3021,10 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
                 dict(EPSILONS="e-5", STAGE_ARG="tune")):
         r = grid("--count", *[bad.pop("STAGE_ARG")] if "STAGE_ARG" in bad else [], **bad)
         assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and not r.stdout, bad
+    for args, message in ((("tune", "bn"), "one stage, not tune and bn"),
+                          (("bn", "--tuned"), "--tuned is for the main grid")):
+        r = grid(*args, "--count")
+        assert r.returncode == 2 and message in r.stderr and not r.stdout, args
     r = grid(IMAGENET_C=str(tmp_path / "missing"), METHODS="source", SEEDS="0")
     assert r.returncode == 2 and "is not a folder" in r.stderr and "cells" not in r.stdout
     smoke = f"--synthetic 2 --model {CLI_MODEL}"
@@ -3030,6 +3034,25 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
         r = grid(METHODS="tent", VARIANTS="plain dp", EPSILONS="5", SEEDS="0",
                  SETTINGS="continual", EXTRA=extra, OUT=str(tmp_path / "g.jsonl"))
         assert r.returncode == 2 and message in r.stderr and "cells" not in r.stdout, r.stderr
+
+
+def test_the_tune_stage_chooses_on_the_held_out_corruptions_only(tmp_path):
+    """A record of the test corruptions in TUNE_OUT (an earlier run, or TUNE_OUT=$OUT) would
+    tune C and lr on the test stream: the picker reads held-out runs only."""
+    fake = tmp_path / "python"  # the cells themselves do nothing here: the records are given
+    fake.write_text(f'#!/bin/sh\ncase "$1" in -) exec {sys.executable} "$@" ;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    def run(corruptions, mean, clip):
+        return dict(mode="adapt", method="tent", setting="continual", eps=None, mean=mean,
+                    clip=clip, lr=0.1, key=dict(corruptions=corruptions))
+    tune_out = tmp_path / "tune.jsonl"
+    tune_out.write_text(json.dumps(run(list(dptta.HELD_OUT), 50.0, 1)) + "\n"
+                        + json.dumps(run(list(dptta.CORRUPTIONS), 90.0, 5)) + "\n")
+    r = grid("tune", METHODS="tent", VARIANTS="clip", SEEDS="0", SETTINGS="continual",
+             EXTRA=f"--synthetic 2 --model {CLI_MODEL}", TUNE_OUT=str(tune_out),
+             TUNED=str(tmp_path / "tuned.json"), PYTHON=str(fake), PATH="/usr/bin:/bin")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "tuned.json").read_text()) == {"continual/tent/clip-only": [1, 0.1]}
 
 
 def test_a_failed_cell_is_named_the_others_run_and_the_grid_exits_1(tmp_path):
