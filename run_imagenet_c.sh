@@ -187,21 +187,19 @@ fi
 CELLS=$cells_text OUT_FILE=$out "$PYTHON" - $EXTRA <<'PY' || exit 2
 import contextlib, io, os, sys
 import dptta
-grids = {"--method", "--eps", "--clip", "--lr", "--seed", "--setting", "--out", "--resume"}
-given = [flag for flag in sys.argv[1:] if flag.split("=")[0] in grids] + [None]
-dptta.require(given[0] is None, f"EXTRA sets {given[0]}, which the grid sets for each cell")
+# EXTRA's flags as dptta.py reads them (--seed=3, an abbreviation --se 3): none the grid sets
+grids = {"method", "eps", "clip", "lr", "seed", "setting", "out", "resume"}
+given = sorted(grids & set(dptta.parse_args(sys.argv[1:]).given)) + [None]
+dptta.require(given[0] is None, f"EXTRA sets --{given[0]}, which the grid sets for each cell")
 cells = []
 for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks it (quietly)
     argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[1:]
     with contextlib.redirect_stdout(io.StringIO()):
         cells.append(dptta.check_args(dptta.parse_args(argv)))
-args = cells[0]
-if not args.synthetic:
-    dptta.require(args.data and os.path.isdir(args.data),
-                  f"IMAGENET_C={args.data or ''} is not a folder: set IMAGENET_C, or --data in EXTRA")
-    if not args.checkpoint:  # fetched once each, or one line and exit 2
-        for model in sorted({cell.model or dptta.DEFAULT_MODEL for cell in cells}):
-            dptta.build_model(model)
+args = cells[0]  # (check_args has checked the data root and filled in each cell's model)
+if not args.synthetic and not args.checkpoint:  # fetched once each, or one line and exit 2
+    for model in sorted({cell.model for cell in cells}):
+        dptta.build_model(model)
 PY
 
 # shellcheck disable=SC2086
