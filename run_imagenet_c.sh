@@ -36,6 +36,9 @@
 set -euo pipefail
 set -f  # no globbing: EXTRA's and the cells' words reach dptta.py as --dry-run prints them
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script
+if [ ! -f dptta.py ]; then
+  echo "run_imagenet_c.sh: no dptta.py in $PWD: run it, or sbatch it, from the repo" >&2; exit 2
+fi
 # (set but empty: an empty grid, refused, never the whole grid)
 SEEDS=${SEEDS-"0 1 2"}; SETTINGS=${SETTINGS-"continual episodic"}; BATCHES=${BATCHES-64}
 METHODS=${METHODS-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS-"plain clip dp"}
@@ -171,13 +174,35 @@ if [ ${#cells[@]} = 0 ]; then
   exit 2
 fi
 if [ $count = 1 ]; then echo ${#cells[@]}; exit 0; fi
+task=${SLURM_ARRAY_TASK_ID:-}
+if [ -n "$task" ] && { ! [[ $task =~ ^[0-9]+$ ]] || [ "$task" -ge ${#cells[@]} ]; }; then
+  echo "run_imagenet_c.sh: SLURM_ARRAY_TASK_ID=$task names no cell: 0 to $(( ${#cells[@]} - 1 ))" \
+       "(--count)" >&2
+  exit 2
+fi
 out=$OUT; [ $stage = tune ] && out=$TUNE_OUT
 command_of() {  # the exact command of cell $1, as it runs and as --dry-run prints it
   echo "$(printf %q "$PYTHON") dptta.py ${cells[$1]} --out $(printf %q "$out") --resume${EXTRA:+ $EXTRA}"
 }
+ngpu=0; gpus=()
+if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then  # the GPUs this job was given, and no others:
+  # as CUDA reads it, up to the first entry that names no device ("", "0,,1", "-1": none)
+  IFS=, read -r -a listed <<< "$CUDA_VISIBLE_DEVICES"
+  for g in "${listed[@]}"; do
+    [[ $g =~ ^([0-9]+|GPU-.+|MIG-.+)$ ]] || break
+    gpus+=("$g")
+  done
+  ngpu=${#gpus[@]}
+elif command -v nvidia-smi > /dev/null 2>&1; then
+  ngpu=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
+  for (( g = 0; g < ngpu; g++ )); do gpus+=("$g"); done
+fi
+nworkers=$(( ngpu > 0 ? ngpu : 1 ))  # no GPU: one worker, dptta.py picks the CPU
+workers="$nworkers worker(s) ($([ "$ngpu" -gt 0 ] && echo "$ngpu GPU(s)" || echo "no GPU: CPU"))"
+
 if [ $dry = 1 ]; then
   for j in "${!cells[@]}"; do command_of "$j"; done
-  echo "# ${#cells[@]} cells ($stage)"
+  echo "# ${#cells[@]} cells ($stage) on $workers"
   exit 0
 fi
 
@@ -206,16 +231,15 @@ PY
 if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then  # one cell per array task; the summary is yours
   exec "$PYTHON" dptta.py ${cells[$SLURM_ARRAY_TASK_ID]} --out "$out" --resume $EXTRA
 fi
-ngpu=0; gpus=()
-if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then  # the GPUs this job was given, and no others
-  IFS=, read -r -a gpus <<< "$CUDA_VISIBLE_DEVICES"; ngpu=${#gpus[@]}
-elif command -v nvidia-smi > /dev/null 2>&1; then
-  ngpu=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
-  for (( g = 0; g < ngpu; g++ )); do gpus+=("$g"); done
+# One grid per $out: a second one would run its cells again, releasing their images twice.
+# The lock is held by the open file, so by every worker and cell, and ends with the last.
+if command -v flock > /dev/null 2>&1; then
+  exec 9>> "$out"
+  if ! flock -n 9; then
+    echo "run_imagenet_c.sh: another grid is running on $out: wait for it, or set OUT" >&2; exit 2
+  fi
 fi
-nworkers=$(( ngpu > 0 ? ngpu : 1 ))  # no GPU: one worker, dptta.py picks the CPU
-echo "run_imagenet_c.sh: ${#cells[@]} cells ($stage) on $nworkers worker(s)" \
-     "($([ "$ngpu" -gt 0 ] && echo "$ngpu GPU(s)" || echo "no GPU: CPU")) -> $out"
+echo "run_imagenet_c.sh: ${#cells[@]} cells ($stage) on $workers -> $out"
 
 worker() {  # worker g runs every nworkers-th cell; a signal stops it and its running cell
   local g=$1 child= rc j failed=0

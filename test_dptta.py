@@ -2,6 +2,7 @@
 high-precision arithmetic, a plain per-sample loop, Monte Carlo, the paper)."""
 import contextlib
 import copy
+import fcntl
 import io
 import json
 import math
@@ -3080,6 +3081,65 @@ esac
     assert "cell failed (exit 3)" in r.stderr and "cell failed (exit 143)" in r.stderr
     assert "the grid is incomplete" in r.stderr
     assert "--method eata" in (tmp_path / "ran").read_text()  # after both failures
+
+
+def recording_python(tmp_path):
+    """An interpreter for the grid whose cells only write down the GPUs they were given."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+case "$1" in -) exec {sys.executable} "$@" ;; esac
+case "$*" in *--summarize*) exit 0 ;; esac
+echo "${{CUDA_VISIBLE_DEVICES-unset}}" >> {tmp_path}/gpus
+""")
+    fake.chmod(0o755)
+    return dict(METHODS="tent eata sar", VARIANTS="plain", SEEDS="0", SETTINGS="continual",
+                EXTRA=f"--synthetic 2 --model {CLI_MODEL}", OUT=str(tmp_path / "g.jsonl"),
+                PYTHON=str(fake), PATH="/usr/bin:/bin")
+
+
+def test_the_grid_reads_cuda_visible_devices_as_cuda_does(tmp_path):
+    """The workers are the GPUs CUDA would see: up to the first entry that names none. An
+    empty value or -1 hides every GPU (one CPU worker, the cells keep the value); it never
+    falls back to nvidia-smi's list, which would hand the cells GPUs the job was not given."""
+    env = recording_python(tmp_path)
+    for value, workers in (("2,3", "2 worker(s) (2 GPU(s))"), ("0,,1", "1 worker(s) (1 GPU(s))"),
+                           ("-1", "1 worker(s) (no GPU: CPU)"), ("", "1 worker(s) (no GPU: CPU)"),
+                           ("NoDevFiles", "1 worker(s) (no GPU: CPU)"),
+                           ("GPU-5f1c,MIG-7,1", "3 worker(s) (3 GPU(s))")):
+        r = grid("--dry-run", **env, CUDA_VISIBLE_DEVICES=value)
+        assert r.returncode == 0 and f"# 3 cells (main) on {workers}" in r.stdout, (value, r.stdout)
+    for value, seen in (("2,,1", {"2"}), ("-1", {"-1"})):  # what each cell is given
+        (tmp_path / "gpus").unlink(missing_ok=True)
+        r = grid(**env, CUDA_VISIBLE_DEVICES=value)
+        assert r.returncode == 0 and set((tmp_path / "gpus").read_text().split()) == seen, value
+
+
+def test_the_grid_refuses_a_slurm_task_or_folder_it_cannot_run(tmp_path):
+    """An array task beyond the grid would run dptta.py with no cell (its defaults); a
+    submit folder without dptta.py would end in a traceback. Each is one line, exit 2."""
+    env = recording_python(tmp_path)
+    for task in ("3", "-1", "x"):
+        r = grid("--dry-run", **env, SLURM_ARRAY_TASK_ID=task)
+        assert r.returncode == 2 and "names no cell: 0 to 2" in r.stderr, (task, r.stderr)
+    r = grid(**env, SLURM_ARRAY_TASK_ID="2")
+    assert r.returncode == 0 and (tmp_path / "gpus").exists(), r.stderr
+    r = grid(**env, SLURM_SUBMIT_DIR=str(tmp_path))
+    assert r.returncode == 2 and r.stderr.strip() == (
+        f"run_imagenet_c.sh: no dptta.py in {tmp_path}: run it, or sbatch it, from the repo")
+
+
+@pytest.mark.skipif(shutil.which("flock") is None, reason="no flock(1) on this machine")
+def test_two_grids_cannot_run_on_one_out(tmp_path):
+    """A second grid on the same OUT would run the first one's cells again, at once: the
+    same images released twice. It is refused while the first one (any of its cells) runs."""
+    env = recording_python(tmp_path)
+    with open(env["OUT"], "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a running grid holds it
+        r = grid(**env)
+        assert r.returncode == 2 and "another grid is running on" in r.stderr, r.stderr
+        assert not (tmp_path / "gpus").exists()  # not one cell ran
+    r = grid(**env)  # the first one has ended
+    assert r.returncode == 0 and (tmp_path / "gpus").exists(), r.stderr
 
 
 def test_grid_runs_on_a_cpu_without_nvidia_smi_and_summarizes(tree, tmp_path):
