@@ -602,7 +602,6 @@ NORM = Method("norm", step="norm", constants=dict(bn_layers=None, bn_scale=0.5))
 ORIGINALS = (TENT, COME, EATA, SAR, DEYO, DEYO_COME)
 BASES = tuple(m.name for m in ORIGINALS)  # the originals' names; "dp_" + one: its DP variant
 METHODS = {m.name: m for m in (SOURCE, *ORIGINALS, *map(private, ORIGINALS), NORM, private(NORM))}
-NORM_METHODS = ("norm", "dp_norm")  # statistics, not gradients
 CONSTANTS = {k for m in METHODS.values() for k in (*m.constants, *m.filter_constants)}
 # ----------------------------------------------------------------------------
 # The adapter
@@ -685,7 +684,7 @@ class DPTTA(nn.Module):
         unknown = sorted(set(constants) - CONSTANTS - set(self.hp)) + [""]
         need(not unknown[0], f"unknown constant {unknown[0]} for {name}")
         self.hp.update((k, v) for k, v in constants.items() if k in self.hp)
-        self.eps, self.delta, self.repeats, self.clip, self.lr = eps, delta, repeats, clip, lr
+        self.eps, self.delta, self.clip, self.lr = eps, delta, clip, lr
         self.privacy_unit = privacy_unit  # a label: repeats says how often a unit is seen
         noisy_eps = math.inf if eps is None else eps  # the originals: no noise
         self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)

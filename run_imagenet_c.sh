@@ -5,7 +5,8 @@
 #   ./run_imagenet_c.sh                the grid with the paper's C, lr and constants, one worker
 #                                      per local GPU (one on the CPU where there is none)
 #   ./run_imagenet_c.sh tune           choose C and lr on the 4 held-out corruptions -> $TUNED
-#   ./run_imagenet_c.sh --tuned        the grid with the C and lr from $TUNED instead
+#   ./run_imagenet_c.sh --tuned        the grid with the C and lr from $TUNED instead (a cell
+#                                      it has none for is refused, not run at the paper's)
 #   ./run_imagenet_c.sh bn             ResNet-50 with BatchNorm (resnet50.tv_in1k): source, norm,
 #                                      Tent (lr 2.5e-4, its paper's) and dp_norm at ε = 20, 5, 1
 #   ./run_imagenet_c.sh wild           SAR's wild settings (batch 1, mixed shifts, label shift by
@@ -78,11 +79,22 @@ import itertools, json, os, sys
 import dptta
 env = {k: os.environ[k].split()
        for k in ("SEEDS", "SETTINGS", "METHODS", "VARIANTS", "EPSILONS", "BATCHES")}
-tuned = json.load(open(os.environ["TUNED"])) if os.environ["TUNED"] else {}
+tuned = None  # --tuned: {"setting/method/column": [C, lr]}, the tune stage's choice
+if os.environ["TUNED"]:
+    try:
+        tuned = json.load(open(os.environ["TUNED"]))
+    except (OSError, ValueError):
+        tuned = None
+    pairs = isinstance(tuned, dict) and all(isinstance(v, list) and len(v) == 2
+                                            for v in tuned.values())
+    if not pairs:
+        print(f"run_imagenet_c.sh: {os.environ['TUNED']} is not the tune stage's JSON",
+              file=sys.stderr)
+        sys.exit(2)
 allowed = {"METHODS": ("source",) + tuple(dptta.PAPER_LR["continual"]),  # the paper's five
            "VARIANTS": ("plain", "clip", "dp"), "SETTINGS": ("continual", "episodic"),
            "BATCHES": ("1", "2", "4", "8", "16", "32", "64"),
-           "EPSILONS": ("20", "15", "10", "5", "1") if os.environ["STAGE"] == "main" and not tuned
+           "EPSILONS": ("20", "15", "10", "5", "1") if os.environ["STAGE"] == "main" and tuned is None
            else tuple(env["EPSILONS"])}
 def is_number(v):
     try:
@@ -105,6 +117,16 @@ for name, values in env.items():  # one line and exit 2, before any cell
                   f"{' '.join(allowed.get(name, ['0', '1', '...']))}", file=sys.stderr)
             sys.exit(2)
 methods = [m for m in env["METHODS"] if m != "source"]
+
+
+def chosen(key, paper):  # (C, lr): the paper's, or with --tuned the tune stage's, none missing
+    if tuned is None:
+        return paper
+    if key not in tuned:  # (a failed tune cell) never the paper's value in a --tuned grid
+        print(f"run_imagenet_c.sh: {os.environ['TUNED']} has no C and lr for {key}: run the "
+              "tune stage for it", file=sys.stderr)
+        sys.exit(2)
+    return tuned[key]
 epsilons = [int(e) if float(e).is_integer() else float(e) for e in env["EPSILONS"]]
 
 
@@ -149,12 +171,12 @@ else:
             if "plain" in env["VARIANTS"]:
                 print(f"--method {m}{constants(m)}{batch} --setting {setting} --seed {seed}")
             if "clip" in env["VARIANTS"]:
-                C, lr = tuned.get(f"{setting}/{m}/clip-only", dptta.PAPER_CLIP_ONLY[setting][m])
+                C, lr = chosen(f"{setting}/{m}/clip-only", dptta.PAPER_CLIP_ONLY[setting][m])
                 print(f"--method {m}{constants(m)} --clip {C} --lr {lr}{batch} --setting "
                       f"{setting} --seed {seed}")
             for e in epsilons if "dp" in env["VARIANTS"] else []:
                 paper = dptta.paper_hparams("dp_" + m, e, setting)[:2]
-                C, lr = tuned.get(f"{setting}/{m}/{e}", paper)
+                C, lr = chosen(f"{setting}/{m}/{e}", paper)
                 print(f"--method dp_{m} --eps {e} --clip {C} --lr {lr}{dp} --setting {setting} "
                       f"--seed {seed}")
 PY

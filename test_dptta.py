@@ -3056,6 +3056,26 @@ def test_the_tune_stage_chooses_on_the_held_out_corruptions_only(tmp_path):
     assert json.loads((tmp_path / "tuned.json").read_text()) == {"continual/tent/clip-only": [1, 0.1]}
 
 
+def test_a_tuned_grid_takes_every_c_and_lr_from_the_tune_stage_or_refuses(tmp_path):
+    """--tuned runs each cell at the tune stage's (C, lr); a cell the tune stage did not
+    choose for (a failed tune cell) is refused by name, never run at the paper's values."""
+    tuned = tmp_path / "tuned.json"
+    env = dict(METHODS="tent", VARIANTS="clip dp", EPSILONS="5 2", SEEDS="0", SETTINGS="continual",
+               TUNED=str(tuned))
+    tuned.write_text(json.dumps({"continual/tent/clip-only": [7, 0.25], "continual/tent/5": [3, 0.5]}))
+    r = grid("--tuned", "--dry-run", **env)
+    assert r.returncode == 2 and "has no C and lr for continual/tent/2" in r.stderr, r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "dptta.py" not in r.stdout
+    r = grid("--tuned", "--dry-run", **dict(env, EPSILONS="5"))
+    assert r.returncode == 0 and "# 2 cells" in r.stdout, r.stderr
+    assert "--method tent --clip 7 --lr 0.25 " in r.stdout
+    assert "--method dp_tent --eps 5 --clip 3 --lr 0.5 " in r.stdout
+    for text in ("{", "[1, 2]", '{"continual/tent/5": 3}'):
+        tuned.write_text(text)
+        r = grid("--tuned", "--dry-run", **env)
+        assert r.returncode == 2 and "is not the tune stage's JSON" in r.stderr, (text, r.stderr)
+
+
 def test_a_failed_cell_is_named_the_others_run_and_the_grid_exits_1(tmp_path):
     """A cell that fails (exit 3), or is killed alone (143), is named; the worker goes on to
     its other cells, and after the summary the grid exits 1: an unattended grid that lost
