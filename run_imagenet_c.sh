@@ -33,7 +33,7 @@
 # Time (an estimate, not measured here): ViT-B/16 in bf16 on one H100-class GPU streams
 #   roughly 1,000 images/s; a cell is 15 x 50,000 images, ~13 min. The main grid is
 #   (1 source + 5 methods x 7 columns) x 2 settings = 72 cells per seed, ~16 GPU-hours per seed.
-#   The tune stage is 5 x 45 x 6 x 2 = 2,700 cells on 4 corruptions: use EXTRA="--limit 2000".
+#   The tune stage is 5 x (5 x 45 + 72) x 2 = 2,970 cells on 4 corruptions: use EXTRA="--limit 2000".
 set -euo pipefail
 set -f  # no globbing: EXTRA's and the cells' words reach dptta.py as --dry-run prints them
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script
@@ -137,12 +137,15 @@ def constants(m):  # the paper's scripts' filter constants, for the filtered (no
 if os.environ["STAGE"] == "tune":  # a grid of C and lr (the paper's DP search), held-out only
     columns = (["clip-only"] if "clip" in env["VARIANTS"] else []) + \
               (epsilons if "dp" in env["VARIANTS"] else [])
-    for setting, seed, m, col, C, lr in itertools.product(
-            env["SETTINGS"], env["SEEDS"][:1], methods, columns, (0.1, 1, 5, 10, 15),
-            (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1)):
+    # the paper chose C <= 10 with noise, and up to 35 for clip-only: each can be reached
+    clips = {"dp": (0.1, 1, 5, 10, 15), "clip-only": (0.1, 1, 5, 10, 15, 20, 30, 35)}
+    for setting, seed, m, col in itertools.product(env["SETTINGS"], env["SEEDS"][:1], methods,
+                                                   columns):
         how = f"--method {m}{constants(m)}" if col == "clip-only" else f"--method dp_{m} --eps {col}"
-        print(f"{how} --clip {C} --lr {lr} --setting {setting} --seed {seed} "
-              f"--corruptions {','.join(dptta.HELD_OUT)}")
+        for C, lr in itertools.product(clips["clip-only" if col == "clip-only" else "dp"],
+                                       (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1)):
+            print(f"{how} --clip {C} --lr {lr} --setting {setting} --seed {seed} "
+                  f"--corruptions {','.join(dptta.HELD_OUT)}")
 elif os.environ["STAGE"] == "wild":  # SAR's three wild settings, continual
     wild = {"batch 1": "--batch-size 1", "mixed shifts": "--setting mixed",
             "label shift": "--order class"}

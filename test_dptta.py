@@ -3002,7 +3002,10 @@ def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
     assert not any("dp_sar" in line and "--hp" in line for line in lines)  # DP: no filters
     assert not any("--noise-seed" in line for line in lines)  # the grid's noise is secret
     r = grid("tune", "--dry-run", SEEDS="0", SETTINGS="continual")
-    assert "# 1350 cells (tune)" in r.stdout
+    assert "# 1485 cells (tune)" in r.stdout  # 5 methods x (5 ε x 5 C + 8 clip-only C) x 9 lr
+    for paper_choice in ("--method deyo --hp plpd_threshold=0.3 --clip 35 --lr 0.005 ",
+                         "--method dp_sar --eps 20 --clip 10 --lr 0.001 "):
+        assert paper_choice in r.stdout  # the tune stage can choose what the paper chose
     assert "speckle_noise,gaussian_blur,spatter,saturate" in r.stdout
     r = grid("--dry-run", SEEDS="0", SETTINGS="continual", METHODS="sar", VARIANTS="dp",
              EPSILONS="5 1")
