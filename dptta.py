@@ -11,9 +11,9 @@ differentially private, so that θ and every prediction for *other* images can b
 What is private: one test image, against streams that differ by replacing it (so one
 clipped gradient moves the sum by at most 2C). Each image is in one step, and later steps
 see it only through θ, so the whole stream is μ-GDP with μ = 2/σ (Dong, Roth & Su 2022):
-δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ). The noise is secret: drawn from a generator
-whose state comes from OS entropy (a known seed would let anyone subtract it), and kept out
-of every copy, pickle and checkpoint.
+δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ). The noise is secret: drawn from a
+cryptographic stream keyed from OS entropy (a known seed, or a predictable generator, would
+let anyone subtract it), and kept out of every copy, pickle and checkpoint.
 
     python dptta.py --synthetic 16 --method dp_tent --eps 5    # a smoke run: CPU, a minute
     python dptta.py --method dp_deyo --eps 5                   # ImageNet-C, $IMAGENET_C, GPU
@@ -29,6 +29,7 @@ through it from the command line; the Appendix holds the tools (--summarize, --b
 # Part I: DP-TTA (torch, numpy, scipy). Part II: ImageNet-C from the command line; Appendix: tools
 import contextlib
 import copy
+import hashlib
 import math
 import os
 import re
@@ -304,38 +305,54 @@ def _without_fallback(fn):
 
 # ----------------------------------------------------------------------------
 # Clip and noise: the Gaussian mechanism on the sum of clipped gradients
-def noise_generator(device="cpu", seed=None):
-    """The privacy noise's source: a generator whose state comes from OS entropy, a secret
-    (whoever knows it regenerates the noise and subtracts it), or from `seed`: an exact
-    replay for tests and debugging, NOT private against anyone who knows that seed.
+class NoiseStream:
+    """The privacy noise's source: N(0, 1) draws from a cryptographic stream, SHAKE-256 keyed
+    by 32 bytes from the OS. The key is the secret: whoever knows it regenerates the noise
+    and subtracts it from every release.
 
-    A seed alone is too small a secret on a CPU: torch's mt19937 keeps 32 bits of it, and
-    2^32 candidates can be tried against one release in hours. Its 624 state words are
-    drawn from the OS instead. (CUDA's Philox keeps all 64 bits of its seed.)"""
-    generator = torch.Generator(device)
-    if seed is not None:
-        return generator.manual_seed(seed)
-    generator.manual_seed(int.from_bytes(os.urandom(8), "little"))
-    if generator.device.type == "cpu":
-        generator.set_state(secret_mt19937_state(generator.get_state()))
-    return generator
+    Why a cryptographic stream and not torch's generator: the noise is all but visible. DP's
+    adversary knows every image but one, so it knows each release up to that image's clipped
+    gradient, of norm <= C over all coordinates, against noise σC in *each*: it reads every
+    draw to within a fraction of a standard deviation. torch's CPU mt19937 gives its whole
+    state away to such readings (its output bits are linear in its state bits), and with it
+    every draw, past and future; CUDA's Philox has a 64-bit key. (Opacus' secure_mode is for
+    this.) Block k of the stream is SHAKE-256(key ‖ k), one block per draw, so the state is
+    (key, k): the runner saves it to replay a killed stream. A stream is never copied or
+    pickled (a copy would draw the same noise twice).
 
+    seed: an exact replay for tests and debugging, NOT private against anyone who knows it."""
 
-MT_WORDS = slice(24, 24 + 624 * 8)  # a CPU generator's state: 24 bytes, then 624 uint64 words
+    def __init__(self, seed=None):
+        if seed is None:
+            self.key = os.urandom(32)
+        else:
+            self.key = hashlib.sha256(b"dptta noise seed %d" % seed).digest()
+        self.blocks = 0
 
+    def normal(self, n, device="cpu", dtype=torch.float32):
+        """The next block: n draws of N(0, 1), by Box-Muller on 53-bit uniforms in float64."""
+        pairs = (n + 1) // 2
+        block = hashlib.shake_256(self.key + self.blocks.to_bytes(8, "little"))
+        self.blocks += 1
+        words = np.frombuffer(block.digest(16 * pairs), np.uint64) >> np.uint64(11)
+        u = (words.astype(np.float64) + 0.5) / 2.0**53  # in (0, 1): log(u) is finite
+        # z = √(−2 ln u1)·(cos 2πu2, sin 2πu2): two independent N(0, 1) per pair (u1, u2)
+        radius, angle = np.sqrt(-2 * np.log(u[:pairs])), 2 * math.pi * u[pairs:]
+        z = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:n]
+        z = torch.from_numpy(z).to(dtype)
+        if torch.device(device).type == "cuda":  # from pinned memory the copy waits for no kernel
+            z = z.pin_memory()
+        return z.to(device, non_blocking=True)
 
-def secret_mt19937_state(state):
-    """A seeded CPU generator's state with its mt19937 words drawn from the OS. Its layout
-    (torch's CPUGeneratorImplState) is checked on mt19937's own initialization: after a seed
-    s, word 0 is s mod 2^32 and word 1 is 1812433253·(w0 ⊕ w0 >> 30) + 1 mod 2^32."""
-    seed = int(state[:8].numpy().view(np.uint64)[0])
-    w0, w1 = (int(w) for w in state[MT_WORDS].numpy().view(np.uint64)[:2])
-    known = w0 == seed % 2**32 and w1 == (1812433253 * (w0 ^ w0 >> 30) + 1) % 2**32
-    need(known, "this torch's CPU generator has a state dptta does not know: no secret noise")
-    words = np.frombuffer(os.urandom(624 * 4), np.uint32).astype(np.uint64)
-    state = state.clone()
-    state[MT_WORDS] = torch.from_numpy(words.view(np.uint8))
-    return state
+    def get_state(self):
+        """The secret: the key and the blocks drawn. Keep it as private as the data."""
+        return dict(key=self.key, blocks=self.blocks)
+
+    def set_state(self, state):
+        self.key, self.blocks = state["key"], state["blocks"]
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a NoiseStream is never copied or pickled: the copy would draw its noise")
 
 
 FP32_MAX = torch.finfo(torch.float32).max  # C and lr meet θ in fp32: a larger one overflows
@@ -347,30 +364,33 @@ def at_least_fp32(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def clip_and_noise(per_sample_grads, clip, sigma, generator, tally=None):
+def clip_and_noise(per_sample_grads, clip, sigma, noise_stream, tally=None):
     """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, over {name: [B, ...]} per-sample tensors.
 
     One norm ‖g_i‖ over all tensors (sample i is clipped as a whole), so replacing one sample
     moves the sum by at most 2C: the noise is calibrated to the sum, then divided by B (noise
     added after dividing would be B times too small). Fresh N(0, σ²C²) for every coordinate
-    of every tensor. A non-finite g_i counts as zero, a decision that reads sample i alone
-    and keeps the sensitivity at 2C; tally["nonfinite"] counts them."""
+    of every tensor, from noise_stream (a NoiseStream). A non-finite g_i counts as zero, a
+    decision that reads sample i alone and keeps the sensitivity at 2C; tally["nonfinite"]
+    counts them."""
     g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
     finite = torch.isfinite(norms)
     factor = (clip / norms.clamp(min=1e-12)).clamp(max=1.0)  # min(1, C/‖g_i‖)
     if tally is not None:
         tally["nonfinite"] = tally.get("nonfinite", 0) + (~finite).sum()
-    out = {}
+    totals = {}
     for name, t in g.items():
         shape = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector, broadcast over t
         # a non-finite g_i is selected away, not scaled by 0: NaN·0 is NaN
-        total = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
-        if sigma > 0:
-            noise = torch.empty_like(total).normal_(generator=generator)
-            total = total + sigma * clip * noise
-        out[name] = total / len(t)
-    return out
+        totals[name] = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
+    if sigma > 0:  # one block of the stream for the whole release (one copy to a GPU)
+        sizes = [t.numel() for t in totals.values()]
+        some = next(iter(totals.values()))
+        noise = noise_stream.normal(sum(sizes), some.device, some.dtype).split(sizes)
+        for (name, total), z in zip(totals.items(), noise):
+            totals[name] = total + sigma * clip * z.view_as(total)
+    return {name: total / len(norms) for name, total in totals.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -627,7 +647,6 @@ class DPTTA(nn.Module):
     clip       the per-sample clip C (needed by dp_; on an original: its clip-only variant)
     lr         SGD's learning rate (momentum 0.9, as every original)
     repeats    how many steps see each privacy unit (a photo in k streams, --repeat): σ·√k
-    privacy_unit  "image" or "photo", the unit that repeats counts (a label for the ledger)
     bn         BatchNorm normalizes with the test batch ("train", Tent's: not per-sample) or
                is frozen at its source statistics ("source", a per-sample map)
     accumulate a step per k batches, on the k batches together (single-image streams)
@@ -658,7 +677,6 @@ class DPTTA(nn.Module):
         clip=None,
         lr=None,
         repeats=1,
-        privacy_unit="image",
         bn="train",
         accumulate=1,
         seed=0,
@@ -676,7 +694,6 @@ class DPTTA(nn.Module):
         bad_clip = f"clip must be finite and > 0 (fp32), got {clip}"
         need(clip is None or 0 < clip <= FP32_MAX, bad_clip)
         need(not gradient or lr is not None and 0 < lr <= FP32_MAX, f"{name} needs a finite lr > 0")
-        need(privacy_unit in ("image", "photo"), "privacy_unit is 'image' or 'photo'")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         need(noise_seed is None or isinstance(noise_seed, int), "noise_seed is an int or None")
@@ -685,7 +702,6 @@ class DPTTA(nn.Module):
         need(not unknown[0], f"unknown constant {unknown[0]} for {name}")
         self.hp.update((k, v) for k, v in constants.items() if k in self.hp)
         self.eps, self.delta, self.clip, self.lr = eps, delta, clip, lr
-        self.privacy_unit = privacy_unit  # a label: repeats says how often a unit is seen
         noisy_eps = math.inf if eps is None else eps  # the originals: no noise
         self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)
         self.bn, self.accumulate, self.chunk_size = bn, accumulate, chunk_size
@@ -710,7 +726,7 @@ class DPTTA(nn.Module):
             self.batch_statistics(bns)
         device = next(model.parameters()).device
         # the adapter's own streams, never rewound by reset(): the same noise twice cancels
-        self.noise_seed, self.noise_gen = noise_seed, noise_generator(device, noise_seed)
+        self.noise_seed, self.noise = noise_seed, NoiseStream(noise_seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed)
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
         self.tally, self.replay = {}, None
@@ -725,7 +741,7 @@ class DPTTA(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         """.to(), .cuda(), .half() of a built adapter: refused (a no-op one passes), as θ0, the
-        fp32 masters and the generators would stay where they were: move the model first."""
+        fp32 masters and the shuffles' generator would stay where they were: move the model first."""
         p = next(self.model.parameters())
         moved = fn(p.detach())  # (a move to where it is already is no move)
         same = (moved.device, moved.dtype) == (p.device, p.dtype)
@@ -748,24 +764,24 @@ class DPTTA(nn.Module):
     def __getstate__(self):
         """copy.deepcopy and pickle, refused with a pending accumulate window: a copy would
         step on its images too (two releases), a pickle would write them to disk. The noise
-        generator is left out: its state regenerates every draw, past ones too (mt19937
-        runs backwards, Philox is a counter), and would cancel the noise of the releases."""
+        stream is left out: its key regenerates every draw, past ones too, and would cancel
+        the noise of the releases."""
         pending = f"{len(self.window)} pending accumulate batch(es) of raw test images"
         need(not self.window, f"an adapter with {pending}: flush() before copying or saving it")
-        return dict(super().__getstate__(), noise_gen=None)
+        return dict(super().__getstate__(), noise=None)
 
     def __setstate__(self, state):
-        """A copy draws its noise from a generator of its own, from the OS: none is shared."""
+        """A copy draws its noise from a stream of its own, keyed from the OS: none is shared."""
         super().__setstate__(state)
         if self.method.step != "none":
             self._claim()
-        self.noise_gen = noise_generator(next(self.model.parameters()).device)
+        self.noise = NoiseStream()
         self.shuffle_gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def get_extra_state(self):
         """In state_dict(): θ, θ0, the momentum, the method's state and DeYO's shuffles, so
         that a load resumes the run; all of it public (the releases, post-processed). Never
-        the noise generator: the adapter that loads draws its own, so that a checkpoint can
+        the noise stream: the adapter that loads draws its own, so that a checkpoint can
         be shared and loaded twice without any noise drawn twice. EATA's fisher is an input,
         not a state: pass it again to the adapter that loads."""
         self.__getstate__()  # (a pending window refuses a checkpoint too)
@@ -793,7 +809,7 @@ class DPTTA(nn.Module):
 
     def reset(self):
         """Back to the source: θ, a fresh optimizer, the method's state; a pending window is
-        dropped. The generators run on: the noise is never drawn twice."""
+        dropped. The noise stream runs on: no noise is ever drawn twice."""
         self._set_theta(self.theta0)
         self.opt = None
         if self.params:
@@ -889,7 +905,7 @@ class DPTTA(nn.Module):
             if not keep.any():
                 return logits, None, keep, state
             g = {n: t[keep] for n, t in g.items()}
-        g = clip_and_noise(g, self.clip, self.sigma, self.noise_gen, self.tally)
+        g = clip_and_noise(g, self.clip, self.sigma, self.noise, self.tally)
         return logits, g, keep, state
 
     def _plain_gradient(self, theta, x, ctx, keep):
@@ -1150,7 +1166,7 @@ class DPNorm(DPTTA):
         mean, var = self.bn_src[name]
         v = bn_moments(args[0], mean, var, bn.eps)
         c = self.moment_clip(len(mean))
-        s = clip_and_noise({"v": v}, c, self.sigma, self.noise_gen)["v"]
+        s = clip_and_noise({"v": v}, c, self.sigma, self.noise)["v"]
         tau2 = release_noise(self.sigma, c, len(v))
         self.state[name] = averaged(self.state.get(name), s, tau2)
         a, ratio = estimated(self.state[name], len(mean))

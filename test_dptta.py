@@ -3,6 +3,7 @@ high-precision arithmetic, a plain per-sample loop, Monte Carlo, the paper)."""
 import contextlib
 import copy
 import fcntl
+import hashlib
 import io
 import json
 import math
@@ -255,11 +256,6 @@ def test_photo_privacy_unit_composes_k_releases_by_the_closed_form():
     assert photo.sigma == pytest.approx(math.sqrt(k) * image.sigma, rel=1e-12)
     with pytest.raises(ValueError, match="repeats"):
         dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, clip=1.0, lr=1e-3, repeats=0)
-    with pytest.raises(ValueError, match="privacy_unit"):
-        dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, clip=1.0, lr=1e-3, privacy_unit="person")
-    labelled = dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, clip=1.0, lr=1e-3, repeats=k,
-                           privacy_unit="photo")
-    assert labelled.privacy_unit == "photo" and labelled.sigma == photo.sigma
 
 
 # ----------------------------------------------------------------------------
@@ -599,15 +595,15 @@ def grads_of_norms(norms, shapes=((3,), (2, 2))):
 def test_clip_closed_form():
     C = 1.5
     g, flat = grads_of_norms([0.5, 1.5, 3.0, 30.0])
-    out = dptta.clip_and_noise(g, C, 0.0, torch.Generator())
+    out = dptta.clip_and_noise(g, C, 0.0, dptta.NoiseStream())
     # by hand: clipped to norm min(‖g‖, C), same direction, then the mean
     want = (flat * torch.tensor([1.0, 1.0, 0.5, 0.05], dtype=torch.float64)[:, None]).sum(0) / 4
     got = torch.cat([out["t0"].flatten(), out["t1"].flatten()])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
-    half = dptta.clip_and_noise({n: t.bfloat16() for n, t in g.items()}, C, 1.0, torch.Generator())
+    half = dptta.clip_and_noise({n: t.bfloat16() for n, t in g.items()}, C, 1.0, dptta.NoiseStream())
     assert all(t.dtype == torch.float32 for t in half.values())  # bf16 in: clip and noise in fp32
     for i in range(4):  # one sample at a time: its clipped contribution has norm min(‖g‖, C)
-        one = dptta.clip_and_noise({n: t[i:i + 1] for n, t in g.items()}, C, 0.0, torch.Generator())
+        one = dptta.clip_and_noise({n: t[i:i + 1] for n, t in g.items()}, C, 0.0, dptta.NoiseStream())
         norm = torch.cat([t.flatten() for t in one.values()]).norm().item()
         assert norm == pytest.approx(min([0.5, 1.5, 3.0, 30.0][i], C), rel=1e-6)
 
@@ -615,7 +611,7 @@ def test_clip_closed_form():
 def test_noise_std_independence_and_seed():
     C, sigma, B, T = 2.0, 1.5, 8, 4000
     g = {"a": torch.zeros(B, 30), "b": torch.zeros(B, 3, 10)}
-    gen = torch.Generator().manual_seed(3)
+    gen = dptta.NoiseStream(seed=3)
     draws = [dptta.clip_and_noise(g, C, sigma, gen) for _ in range(T // 80)]
     a = torch.cat([d["a"].flatten() for d in draws])
     b = torch.cat([d["b"].flatten() for d in draws])
@@ -625,8 +621,8 @@ def test_noise_std_independence_and_seed():
         assert abs(v.mean().item()) < 4 * want / math.sqrt(len(v))
     correlation = np.corrcoef(a.numpy(), b.numpy())[0, 1]
     assert abs(correlation) < 4 / math.sqrt(len(a))  # tensors draw independently
-    x = dptta.clip_and_noise(g, C, sigma, torch.Generator().manual_seed(7))
-    y = dptta.clip_and_noise(g, C, sigma, torch.Generator().manual_seed(7))
+    x = dptta.clip_and_noise(g, C, sigma, dptta.NoiseStream(seed=7))
+    y = dptta.clip_and_noise(g, C, sigma, dptta.NoiseStream(seed=7))
     assert all(torch.equal(x[n], y[n]) for n in x)
 
 
@@ -637,7 +633,7 @@ def test_neighbouring_releases_are_mu_gdp_by_monte_carlo():
     other = {"t0": base["t0"].clone()}
     other["t0"][0] *= -1
     u = base["t0"][0] / base["t0"][0].norm()
-    gen = torch.Generator().manual_seed(0)
+    gen = dptta.NoiseStream(seed=0)
 
     def projections(g):  # the releases along u, T draws
         return torch.stack([(dptta.clip_and_noise(g, C, sigma, gen)["t0"].double() * u).sum()
@@ -653,8 +649,8 @@ def test_nonfinite_sample_is_zeroed_counted_and_harmless():
     bad = {n: t.clone() for n, t in g.items()}
     bad["t1"][1, 0, 0] = float("nan")
     tally = {}
-    out = dptta.clip_and_noise(bad, 1.0, 0.0, torch.Generator(), tally)
-    rest = dptta.clip_and_noise({n: t[[0, 2]] for n, t in g.items()}, 1.0, 0.0, torch.Generator())
+    out = dptta.clip_and_noise(bad, 1.0, 0.0, dptta.NoiseStream(), tally)
+    rest = dptta.clip_and_noise({n: t[[0, 2]] for n, t in g.items()}, 1.0, 0.0, dptta.NoiseStream())
     for n in out:  # the others' contribution is untouched; the divisor is still B = 3
         torch.testing.assert_close(out[n], rest[n] * 2 / 3)
     assert int(tally["nonfinite"]) == 1
@@ -924,43 +920,59 @@ def test_a_copy_never_draws_its_originals_noise():
         copy.copy(a)  # a shallow copy would share θ with a
 
 
-def test_no_pickle_copy_or_checkpoint_holds_the_noise_generator():
-    """The noise generator's state regenerates its draws, past ones too (mt19937 runs back):
-    whoever held it would subtract the noise from every release. Its current state words
-    appear in none of pickle.dumps, torch.save of the adapter, and torch.save of state_dict."""
+def test_no_pickle_copy_or_checkpoint_holds_the_noise_key():
+    """The noise stream's key regenerates its draws, past ones too: whoever held it would
+    subtract the noise from every release. It appears in none of pickle.dumps, torch.save of
+    the adapter, and torch.save of state_dict; the stream itself refuses to be copied."""
     a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1)
     a(images(4))
-    words = a.noise_gen.get_state().numpy().tobytes()[24 : 24 + 64]  # mt19937's first 8 words
+    key = a.noise.get_state()["key"]
     saved, checkpoint = io.BytesIO(), io.BytesIO()
     torch.save(a, saved)
     torch.save(a.state_dict(), checkpoint)
     for blob in (pickle.dumps(a), saved.getvalue(), checkpoint.getvalue()):
-        assert words not in blob
-    assert words in pickle.dumps(a.noise_gen)  # the check can fail: a generator pickles them
+        assert key not in blob
+    assert key in pickle.dumps(a.noise.get_state())  # the check can fail: the state holds it
+    for leak in (pickle.dumps, copy.deepcopy, copy.copy):
+        with pytest.raises(TypeError, match="never copied or pickled"):
+            leak(a.noise)
 
 
-def mt19937_seeded(state):
-    """Whether a CPU generator's state is mt19937's initialization from a seed: after 24 bytes
-    its 624 words (uint64), word 1 = 1812433253·(w0 ⊕ w0 >> 30) + 1 mod 2^32."""
-    w0, w1 = (int(w) for w in np.frombuffer(state.numpy().tobytes()[24:40], np.uint64))
-    return w1 == (1812433253 * (w0 ^ (w0 >> 30)) + 1) % 2**32
+def box_muller(block, n):
+    """N(0, 1) from a block of bytes, written out as the textbook has it: 64-bit words, their
+    top 53 bits as u in (0, 1), z = √(−2 ln u1)·cos 2πu2 and √(−2 ln u1)·sin 2πu2."""
+    pairs = (n + 1) // 2
+    u = [((int.from_bytes(block[8 * i : 8 * i + 8], "little") >> 11) + 0.5) / 2**53
+         for i in range(2 * pairs)]
+    cos = [math.sqrt(-2 * math.log(u[i])) * math.cos(2 * math.pi * u[pairs + i]) for i in range(pairs)]
+    sin = [math.sqrt(-2 * math.log(u[i])) * math.sin(2 * math.pi * u[pairs + i]) for i in range(pairs)]
+    return (cos + sin)[:n]
 
 
-def test_the_cpu_noise_is_not_one_of_2_to_the_32_seeds():
-    """torch's CPU mt19937 keeps 32 bits of a seed: 2^32 candidates, each tried against a
-    release in microseconds. The secret noise's state is no seed's initialization (for an
-    adapter, its copy and the library's generator), yet draws N(0, 1); a replay seed still
-    replays torch's own stream."""
-    assert mt19937_seeded(torch.Generator().manual_seed(2**40 + 7).get_state())  # can fail
+def test_the_noise_is_a_keyed_cryptographic_stream():
+    """DP's adversary reads each draw to within a fraction of σ (it knows every image but one),
+    and torch's mt19937 gives its state away to such readings. The noise is SHAKE-256 keyed by
+    32 bytes from the OS instead, one block per draw: the seeded replay matches the hash and
+    Box-Muller computed by hand; secret streams (the library's, an adapter's, its copy's) have
+    keys of their own, never torch's seed, and draw N(0, 1) (Kolmogorov-Smirnov, moments)."""
+    from scipy import stats
+    seeded = dptta.NoiseStream(seed=7)
+    key = hashlib.sha256(b"dptta noise seed 7").digest()
+    for block, n in enumerate((5, 4, 1)):  # blocks 0, 1, 2: never one reused
+        expected = box_muller(hashlib.shake_256(key + block.to_bytes(8, "little")).digest(16 * 3), n)
+        z = seeded.normal(n, dtype=torch.float64)
+        assert z.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    torch.manual_seed(0)
     a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1)
-    for g in (dptta.noise_generator(), a.noise_gen, copy.deepcopy(a).noise_gen):
-        state = g.get_state()
-        assert not mt19937_seeded(state)
-        assert torch.equal(state[24 + 624 * 8 :], torch.Generator().get_state()[24 + 624 * 8 :])
-        z = torch.empty(200_000, dtype=torch.float64).normal_(generator=g)
-        assert abs(z.mean().item()) < 0.01 and abs(z.std().item() - 1) < 0.01
-    replay = torch.empty(5).normal_(generator=dptta.noise_generator(seed=7))
-    assert torch.equal(replay, torch.empty(5).normal_(generator=torch.Generator().manual_seed(7)))
+    streams = [dptta.NoiseStream(), a.noise, copy.deepcopy(a).noise]
+    torch.manual_seed(0)
+    streams.append(dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1).noise)
+    assert len({s.get_state()["key"] for s in streams}) == 4  # torch's seed plays no part
+    for stream in streams[:2]:
+        z = stream.normal(200_001, dtype=torch.float64).numpy()
+        assert stats.kstest(z, "norm").pvalue > 1e-4  # the check can fail: a wrong transform
+        assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
+    assert stats.kstest(np.abs(z), "norm").pvalue < 1e-10  # (it can: |z| is not N(0, 1))
 
 
 def test_the_replay_seam_never_serves_one_batch_for_another():
@@ -1044,7 +1056,7 @@ def test_a_checkpoint_resumes_the_run_but_never_its_noise():
     momentum = [s["momentum_buffer"] for s in saved["_extra_state"]["opt"]["state"].values()]
     assert all(torch.equal(m, buf) for m, buf in zip(momentum, first_momentum))  # not stepped
     older = copy.deepcopy(saved)  # as the dptta before this one saved it: the noise inside
-    older["_extra_state"]["generators"] = (a.noise_gen.get_state(),
+    older["_extra_state"]["generators"] = (torch.Generator().get_state(),
                                            older["_extra_state"].pop("shuffles"))
     with pytest.raises(ValueError, match="older dptta, with its noise: not loaded"):
         a.load_state_dict(older)
@@ -1206,9 +1218,8 @@ def test_the_readmes_forty_line_dp_tent_ends_where_the_adapter_does(capsys, monk
     block = next(b for b in readme_blocks() if "clip_and_noise(g" in b)
     noise_line = block.split("noise =")[1].splitlines()[0]
     assert len(block.strip().splitlines()) <= 45 and "manual_seed" not in noise_line
-    real = dptta.noise_generator
-    monkeypatch.setattr(dptta, "noise_generator", lambda device="cpu", seed=None: real(
-        device, 1234 if seed is None else seed))
+    real = dptta.NoiseStream
+    monkeypatch.setattr(dptta, "NoiseStream", lambda seed=None: real(1234 if seed is None else seed))
     ns = {}
     exec(compile(block, "README.md", "exec"), ns)
     assert capsys.readouterr().out.strip() == "sigma 1.9601"
@@ -1761,7 +1772,7 @@ def test_dp_norm_release_has_the_predicted_noise_and_sensitivity_2c():
     x = torch.randn(8, 4, 5, 5, dtype=torch.float64)
     mean, var = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
     v = dptta.bn_moments(x, mean, var, 1e-5)
-    c, sigma, g = 0.5 * math.sqrt(8), 2.0, torch.Generator().manual_seed(0)
+    c, sigma, g = 0.5 * math.sqrt(8), 2.0, dptta.NoiseStream(seed=0)
     draws = torch.stack([dptta.clip_and_noise({"v": v}, c, sigma, g)["v"] for _ in range(4000)])
     assert draws[:, :4].std(0).mean().item() == pytest.approx(sigma * c / 8, rel=0.05)
     for scale in (1.0, 1e6):  # a normal and an absurd replacement image
@@ -2918,21 +2929,21 @@ def test_a_replayed_noise_seed_is_labelled_not_private_everywhere(tree, tmp_path
     led = final_record(out)["ledger"]
     assert led["noise"] == "replayed" and led["noise_seed"] == 42
     assert "not private against anyone who knows noise seed 42" in led["note"]
-    drawn, real = [], dptta.noise_generator
+    drawn, real = [], dptta.NoiseStream
 
-    def watched(device="cpu", seed=None):
-        drawn.append(real(device, seed))
+    def watched(seed=None):
+        drawn.append(real(seed))
         return drawn[-1]
 
-    monkeypatch.setattr(dptta, "noise_generator", watched)
+    monkeypatch.setattr(dptta, "NoiseStream", watched)
     assert dptta.main(argv) == 0
     monkeypatch.undo()
     printed = capsys.readouterr().out
     secret = final_record(out)
     assert "noise: secret" in printed and secret["ledger"]["noise"] == "secret"
     assert "noise_seed" not in secret["ledger"] and secret["key"]["noise_seed"] is None
-    entropy = str(drawn[0].initial_seed())  # the OS-entropy seed: printed and recorded nowhere
-    assert entropy not in printed and entropy not in out.read_text()
+    key = drawn[0].get_state()["key"].hex()  # the OS-entropy key: printed and recorded nowhere
+    assert key not in printed and key not in out.read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["r.jsonl"]  # and no state file is left
     assert dptta.main(["--summarize", str(out)]) == 0  # (--limit-free runs are tabled)
     table = capsys.readouterr().out
@@ -3421,7 +3432,7 @@ def test_end_to_end_game_alone_catches_half_the_noise_and_a_skipped_clip(monkeyp
 
     def unclipped(g, clip, sigma, generator, tally=None):  # the bug: noise σ·C, but no clip
         total = real(g, math.inf, 0.0, None, tally)  # Σ_i g_i / B, nothing clipped
-        return {n: t + sigma * clip * torch.randn(t.shape, generator=generator) / len(g[n])
+        return {n: t + sigma * clip * generator.normal(t.numel()).view(t.shape) / len(g[n])
                 for n, t in total.items()}
 
     monkeypatch.setattr(dptta, "clip_and_noise", unclipped)
