@@ -2550,12 +2550,10 @@ def summarize(path, per_corruption=False, error=False):
     """Methods × variants of the complete runs, mean ± std over seeds; the rest apart. One
     table per setting (what the key holds but the method, its privacy and hyperparameters),
     one row per method: its non-private, clip-only and ε columns side by side."""
-    records, unreadable = [], []
-    for n, r in read_jsonl(path, "--summarize"):
-        if r.get("mode") in ("adapt", "corruption") and readable(r):
-            records.append(r)
-        elif r.get("mode") in ("adapt", "corruption"):  # (not --benchmark's or --audit's)
-            unreadable.append(n)
+    modes = ("adapt", "corruption")  # (not --benchmark's or --audit's)
+    ours = [(n, r) for n, r in read_jsonl(path, "--summarize") if r.get("mode") in modes]
+    records = [r for _, r in ours if readable(r)]
+    unreadable = [n for n, r in ours if not readable(r)]
     if unreadable:
         lines = ", ".join(map(str, unreadable[:5]))
         why = "lacking fields or finite numbers"
