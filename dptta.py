@@ -2660,17 +2660,18 @@ def benchmark(args):
     config = timm.data.resolve_data_config({}, model=model)
     shape, generator = (B * acc, *config["input_size"]), torch.Generator().manual_seed(args.seed)
     x = torch.randn(shape, generator=generator).to(args.device)
-    specs = dict(source=("source", {}))  # row -> (method, its arguments)
-    for m in BASES:
-        specs[m] = (m, {})
-        specs[f"{m} clip"] = (m, dict(clip=1.0))
-        specs[f"dp_{m}"] = (f"dp_{m}", dict(clip=1.0, eps=5.0))
-        if acc > 1:
-            specs[f"dp_{m} {B}x{acc}"] = (f"dp_{m}", dict(clip=1.0, eps=5.0, accumulate=acc))
     wide_open = dict(WIDE_OPEN, lr=1e-5, bn="train" if args.bn is None else args.bn)
-    variants = {}  # random weights: every filter open, full steps
-    for row, (method, kwargs) in specs.items():
-        variants[row] = DPTTA(copy.deepcopy(model), method, **wide_open, **kwargs)
+
+    def fresh(method, **kwargs):  # random weights: every filter open, full steps
+        return DPTTA(copy.deepcopy(model), method, **wide_open, **kwargs)
+
+    variants = dict(source=fresh("source"))  # row -> its adapter
+    for m in BASES:
+        variants[m] = fresh(m)
+        variants[f"{m} clip"] = fresh(m, clip=1.0)
+        variants[f"dp_{m}"] = fresh(f"dp_{m}", clip=1.0, eps=5.0)
+        if acc > 1:
+            variants[f"dp_{m} {B}x{acc}"] = fresh(f"dp_{m}", clip=1.0, eps=5.0, accumulate=acc)
 
     def step(adapter):  # a window: the batch, or B at a time (accumulate)
         with autocast(args):
