@@ -2785,10 +2785,9 @@ def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
                 loss = adapter.loss(z, None if ctx is None else ctx[i : i + 1]).sum()
                 grads = torch.autograd.grad(loss, list(theta.values()), create_graph=True)
                 g.append(torch.cat([t.flatten() for t in grads]))
+            cos = F.cosine_similarity(g[0], g[1], 0)
             opt.zero_grad()
-            (
-                F.cosine_similarity(g[0], g[1], 0) - 0.01 * (g[0].norm() * g[1].norm()).log()
-            ).backward()
+            (cos - 0.01 * (g[0].norm() * g[1].norm()).log()).backward()
             opt.step()
             with torch.no_grad():
                 images.clamp_(-box, box)
@@ -2818,9 +2817,8 @@ def audit(
         flat = flat_sample_grads(adapter, x)
         clip = clip_of(adapter, flat.shape[1])
         size = 1.0 if math.isinf(clip) else clip
-        u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed)).to(
-            flat.device
-        )
+        generator = torch.Generator().manual_seed(seed)
+        u = torch.randn(flat.shape[1], generator=generator).to(flat.device)
         u = 10 * size * u / u.norm()
         worlds, d = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)], 2 * u / u.norm()
 
@@ -2836,12 +2834,8 @@ def audit(
         def release(world):  # θ1 = θ0 − lr·Δ: the first momentum buffer is Δ itself
             adapter.reset()
             adapter(world)
-            return torch.cat(
-                [
-                    ((adapter.theta0[n] - p.detach()) / adapter.lr).flatten()
-                    for n, p in adapter.params.items()
-                ]
-            )
+            moved = [adapter.theta0[n] - p.detach() for n, p in adapter.params.items()]
+            return torch.cat([(t / adapter.lr).flatten() for t in moved])
 
     adapter.replay = {}
     try:
