@@ -2874,13 +2874,9 @@ def audit_cli(args):
     private, norm = record.private, record.step == "norm"
     require(args.eps is None or private, f"--eps is for dp_ methods only, not {args.method}")
     require(record.step != "none", "--audit: source releases nothing")
-    eps, delta, kwargs = args.eps, args.delta, {}
-    if delta is None:
-        delta = 1e-6
-    if private and eps is None:
-        eps = 5.0
-    if private:
-        kwargs = dict(eps=eps, delta=delta)
+    eps = 5.0 if args.eps is None and private else args.eps
+    delta = 1e-6 if args.delta is None else args.delta
+    kwargs = dict(eps=eps, delta=delta) if private else {}
     claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
     require(args.delta is None or claim, "--delta applies to a dp_ method with a finite --eps")
     no_step = f"{args.method} takes no --clip, --lr"
@@ -2888,9 +2884,7 @@ def audit_cli(args):
     torch.manual_seed(args.seed)
     model = audit_model(norm)
     if not norm:
-        clip = args.clip
-        if clip is None and private:
-            clip = 1.0
+        clip = 1.0 if args.clip is None and private else args.clip
         kwargs.update(lr=0.1 if args.lr is None else args.lr, clip=clip)
         if not private:  # filters open: the canary is kept
             kwargs.update(WIDE_OPEN)
