@@ -2565,12 +2565,10 @@ def summarize(path, per_corruption=False, error=False):
     """Methods × variants of the complete runs, mean ± std over seeds; the rest apart. One
     table per setting (what the key holds but the method, its privacy and hyperparameters),
     one row per method: its non-private, clip-only and ε columns side by side."""
-    records, unreadable = [], []
-    for n, r in read_jsonl(path, "--summarize"):
-        if r.get("mode") in ("adapt", "corruption") and readable(r):
-            records.append(r)
-        elif r.get("mode") in ("adapt", "corruption"):  # (not --benchmark's or --audit's)
-            unreadable.append(n)
+    modes = ("adapt", "corruption")  # (not --benchmark's or --audit's)
+    ours = [(n, r) for n, r in read_jsonl(path, "--summarize") if r.get("mode") in modes]
+    records = [r for _, r in ours if readable(r)]
+    unreadable = [n for n, r in ours if not readable(r)]
     if unreadable:
         lines = ", ".join(map(str, unreadable[:5]))
         why = "lacking fields or finite numbers"
@@ -2677,17 +2675,18 @@ def benchmark(args):
     config = timm.data.resolve_data_config({}, model=model)
     shape, generator = (B * acc, *config["input_size"]), torch.Generator().manual_seed(args.seed)
     x = torch.randn(shape, generator=generator).to(args.device)
-    specs = dict(source=("source", {}))  # row -> (method, its arguments)
-    for m in BASES:
-        specs[m] = (m, {})
-        specs[f"{m} clip"] = (m, dict(clip=1.0))
-        specs[f"dp_{m}"] = (f"dp_{m}", dict(clip=1.0, eps=5.0))
-        if acc > 1:
-            specs[f"dp_{m} {B}x{acc}"] = (f"dp_{m}", dict(clip=1.0, eps=5.0, accumulate=acc))
     wide_open = dict(WIDE_OPEN, lr=1e-5, bn="train" if args.bn is None else args.bn)
-    variants = {}  # random weights: every filter open, full steps
-    for row, (method, kwargs) in specs.items():
-        variants[row] = DPTTA(copy.deepcopy(model), method, **wide_open, **kwargs)
+
+    def fresh(method, **kwargs):  # random weights: every filter open, full steps
+        return DPTTA(copy.deepcopy(model), method, **wide_open, **kwargs)
+
+    variants = dict(source=fresh("source"))  # row -> its adapter
+    for m in BASES:
+        variants[m] = fresh(m)
+        variants[f"{m} clip"] = fresh(m, clip=1.0)
+        variants[f"dp_{m}"] = fresh(f"dp_{m}", clip=1.0, eps=5.0)
+        if acc > 1:
+            variants[f"dp_{m} {B}x{acc}"] = fresh(f"dp_{m}", clip=1.0, eps=5.0, accumulate=acc)
 
     def step(adapter):  # a window: the batch, or B at a time (accumulate)
         with autocast(args):
@@ -2801,10 +2800,9 @@ def craft_canaries(adapter, shape, *, steps=100, box=3.0, seed=0):
                 loss = adapter.loss(z, None if ctx is None else ctx[i : i + 1]).sum()
                 grads = torch.autograd.grad(loss, list(theta.values()), create_graph=True)
                 g.append(torch.cat([t.flatten() for t in grads]))
+            cos = F.cosine_similarity(g[0], g[1], 0)
             opt.zero_grad()
-            (
-                F.cosine_similarity(g[0], g[1], 0) - 0.01 * (g[0].norm() * g[1].norm()).log()
-            ).backward()
+            (cos - 0.01 * (g[0].norm() * g[1].norm()).log()).backward()
             opt.step()
             with torch.no_grad():
                 images.clamp_(-box, box)
@@ -2834,9 +2832,8 @@ def audit(
         flat = flat_sample_grads(adapter, x)
         clip = clip_of(adapter, flat.shape[1])
         size = 1.0 if math.isinf(clip) else clip
-        u = torch.randn(flat.shape[1], generator=torch.Generator().manual_seed(seed)).to(
-            flat.device
-        )
+        generator = torch.Generator().manual_seed(seed)
+        u = torch.randn(flat.shape[1], generator=generator).to(flat.device)
         u = 10 * size * u / u.norm()
         worlds, d = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)], 2 * u / u.norm()
 
@@ -2852,12 +2849,8 @@ def audit(
         def release(world):  # θ1 = θ0 − lr·Δ: the first momentum buffer is Δ itself
             adapter.reset()
             adapter(world)
-            return torch.cat(
-                [
-                    ((adapter.theta0[n] - p.detach()) / adapter.lr).flatten()
-                    for n, p in adapter.params.items()
-                ]
-            )
+            moved = [adapter.theta0[n] - p.detach() for n, p in adapter.params.items()]
+            return torch.cat([(t / adapter.lr).flatten() for t in moved])
 
     adapter.replay = {}
     try:
@@ -2896,13 +2889,9 @@ def audit_cli(args):
     private, norm = record.private, record.step == "norm"
     require(args.eps is None or private, f"--eps is for dp_ methods only, not {args.method}")
     require(record.step != "none", "--audit: source releases nothing")
-    eps, delta, kwargs = args.eps, args.delta, {}
-    if delta is None:
-        delta = 1e-6
-    if private and eps is None:
-        eps = 5.0
-    if private:
-        kwargs = dict(eps=eps, delta=delta)
+    eps = 5.0 if args.eps is None and private else args.eps
+    delta = 1e-6 if args.delta is None else args.delta
+    kwargs = dict(eps=eps, delta=delta) if private else {}
     claim = private and math.isfinite(eps)  # the originals and ε = inf: no noise, no claim
     require(args.delta is None or claim, "--delta applies to a dp_ method with a finite --eps")
     no_step = f"{args.method} takes no --clip, --lr"
@@ -2910,9 +2899,7 @@ def audit_cli(args):
     torch.manual_seed(args.seed)
     model = audit_model(norm)
     if not norm:
-        clip = args.clip
-        if clip is None and private:
-            clip = 1.0
+        clip = 1.0 if args.clip is None and private else args.clip
         kwargs.update(lr=0.1 if args.lr is None else args.lr, clip=clip)
         if not private:  # filters open: the canary is kept
             kwargs.update(WIDE_OPEN)
