@@ -2631,7 +2631,8 @@ def print_table(k, cells, error):
     order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in TUNED_EPS]
     present = {variant for _, variant, _ in entries}
     columns = [c for c in order if c in present] + sorted(present - set(order))
-    width = max(22, *(len(v) + 2 for row in rows.values() for v in row.values()))
+    cells_and_names = [*columns, *(v for row in rows.values() for v in row.values())]
+    width = max(22, *(len(text) + 2 for text in cells_and_names))  # every name apart
     print(f"{'method':<14}" + "".join(f"{c:>{width}}" for c in columns))
     for label in sorted(rows, key=method_rank):
         print(f"{label:<14}" + "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns))
@@ -2838,7 +2839,7 @@ def audit(
         worlds, d = [{"θ": torch.cat([flat, s * u[None]])} for s in (1, -1)], 2 * u / u.norm()
 
         def release(world):
-            return clip_and_noise(world, clip, adapter.sigma, adapter.noise_gen)["θ"]
+            return clip_and_noise(world, clip, adapter.sigma, adapter.noise)["θ"]
 
     else:
         worlds = [torch.cat([x, img[None]]) for img in (canary, replacement)]
@@ -2889,6 +2890,9 @@ def audit_cli(args):
     private, norm = record.private, record.step == "norm"
     require(args.eps is None or private, f"--eps is for dp_ methods only, not {args.method}")
     require(record.step != "none", "--audit: source releases nothing")
+    # (norm's statistics are the batch's own, no release of one image: nothing to play)
+    as_they_are = "--audit: norm releases the batch's statistics as they are; audit dp_norm"
+    require(private or not norm, as_they_are)
     eps = 5.0 if args.eps is None and private else args.eps
     delta = 1e-6 if args.delta is None else args.delta
     kwargs = dict(eps=eps, delta=delta) if private else {}

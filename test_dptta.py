@@ -2362,6 +2362,7 @@ def bad_input_cases(root, ckpt):
         "audit eps on an original": (["--audit", "--method", "tent", "--eps", "5"],
                                      "dp_ methods only"),
         "audit source": (["--audit", "--method", "source"], "source releases nothing"),
+        "audit norm": (["--audit", "--method", "norm"], "norm releases the batch's statistics"),
         "summarize missing": (["--summarize", "/nonexistent.jsonl"], "does not exist"),
         "summarize binary": (["--summarize", ckpt], "not a JSONL file"),
         "summarize a run flag": (["--summarize", ckpt, "--method", "tent"],
@@ -2948,6 +2949,8 @@ def test_a_replayed_noise_seed_is_labelled_not_private_everywhere(tree, tmp_path
     assert dptta.main(["--summarize", str(out)]) == 0  # (--limit-free runs are tabled)
     table = capsys.readouterr().out
     assert "noise-seed (not private)" in table and "ε=5 " in table
+    header = next(line for line in table.splitlines() if line.startswith("method"))
+    assert " ε=5 noise-seed (not private)" in header  # apart from the column before it
 
 
 @pytest.mark.parametrize("how", ["the stream itself", "a symlink to it", "a hard link", "a copy"])
