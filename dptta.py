@@ -1621,10 +1621,11 @@ def parse_args(argv=None):
     g("--per-corruption", action="store_true", help="--summarize: per corruption too")
     g("--error", action="store_true", help="--summarize: error %%, not top-1")
     g("--benchmark", action="store_true", help="time a step of every method")
-    g("--rounds", type=number(int, 1), help="--benchmark: timed rounds (default 5)")
+    g("--rounds", type=number(int, 1), default=5, help="--benchmark: timed rounds (default 5)")
     g("--audit", action="store_true", help="an empirical ε lower bound")
-    g("--trials", type=number(int, 100), help="--audit: white-box trials (default 20000)")
-    g("--e2e-trials", type=number(int, 100), help="--audit: end-to-end trials (default 5000)")
+    trials = number(int, 100)
+    g("--trials", type=trials, default=20000, help="--audit: white-box trials (default 20000)")
+    g("--e2e-trials", type=trials, default=5000, help="--audit: end-to-end trials (default 5000)")
     args = ap.parse_args(argv)
     for action in ap._actions:  # parsed again with no defaults: the flags the command gave
         action.default = argparse.SUPPRESS
@@ -1632,13 +1633,8 @@ def parse_args(argv=None):
     return args
 
 
-TOOL_FLAGS = dict(
-    rounds=("benchmark", 5),
-    trials=("audit", 20000),
-    e2e_trials=("audit", 5000),
-    per_corruption=("summarize", False),
-    error=("summarize", False),
-)
+# the flags only one tool reads (their defaults are argparse's): refused anywhere else
+TOOL_FLAGS = dict(benchmark="rounds", audit="trials e2e_trials", summarize="per_corruption error")
 
 
 # the flags each tool reads, besides the machine's (--device, --workers); any other flag given
@@ -1656,14 +1652,10 @@ def check_common(args, mode=None):
         unread = set(args.given) - set(MODE_FLAGS[mode].split()) - {"device", "workers"}
         unread = sorted(f"--{flag.replace('_', '-')}" for flag in unread) + [None]
         require(unread[0] is None, f"{unread[0]} does not apply to --{mode}")
-    for flag, (tool, default) in TOOL_FLAGS.items():
-        value = getattr(args, flag)
-        require(
-            value in (None, False) or mode == tool,
-            f"--{flag.replace('_', '-')} is for --{tool} only",
-        )
-        if value is None:
-            setattr(args, flag, default)
+    for tool, flags in TOOL_FLAGS.items():
+        for flag in flags.split():
+            shown = f"--{flag.replace('_', '-')}"
+            require(flag not in args.given or mode == tool, f"{shown} is for --{tool} only")
     if args.model is not None:
         check_model(args.model)
     require(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device")
