@@ -1328,12 +1328,10 @@ def image_stream(
         group = np.zeros(len(perm), dtype=int)  # the corruption of each image (mixed)
         if isinstance(dataset, Mixed):
             group = np.searchsorted(dataset.cumulative_sizes, perm.numpy(), "right")
-        taken, keep = {}, []
-        for i, g in zip(perm.tolist(), group.tolist()):
-            taken[g] = taken.get(g, 0) + 1
-            if taken[g] <= limit:
-                keep.append(i)
-        perm = torch.as_tensor(keep, dtype=torch.long)
+        rank = np.zeros(len(perm), dtype=int)  # each image's place among its group's, in order
+        for g in np.unique(group):
+            rank[group == g] = np.arange(np.count_nonzero(group == g))
+        perm = perm[torch.as_tensor(rank < limit)]
     if rerun:  # a later round: its own order of the same images
         reorder = torch.Generator().manual_seed(seed + rerun)
         perm = perm[torch.randperm(len(perm), generator=reorder)]
@@ -1721,14 +1719,13 @@ def check_args(args):
         require(not args.synthetic, "--synthetic makes ImageNet-C trees, not ImageNet-R")
         require(args.corruptions == list(CORRUPTIONS), "--corruptions: ImageNet-R has none")
         args.corruptions = ["imagenet_r"]
-    if args.synthetic and args.corruptions == list(CORRUPTIONS):  # a short smoke run
-        args.corruptions = args.corruptions[:3]
-    require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
-    ignored = args.synthetic and "data" in args.given
-    require(not ignored, "--synthetic makes its own tree: --data does not apply")
-    require(
-        args.synthetic or os.path.isdir(args.data), f"--data {args.data} is not a folder; {LAYOUT}"
-    )
+    if args.synthetic:
+        require("data" not in args.given, "--synthetic makes its own tree: --data does not apply")
+        if args.corruptions == list(CORRUPTIONS):  # a short smoke run
+            args.corruptions = args.corruptions[:3]
+    else:
+        require(args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
+        require(os.path.isdir(args.data), f"--data {args.data} is not a folder; {LAYOUT}")
     for flag, fits, kind in (
         ("checkpoint", os.path.isfile, "a file"),
         ("fisher_data", os.path.isdir, "a folder of <wnid>/ folders"),
@@ -1885,7 +1882,7 @@ def read_jsonl(path, flag):
     JSONL file, unless every line of it starts like a record."""
     require(os.path.isfile(path), f"{flag} {path} does not exist or is not a regular file")
     require(os.access(path, os.R_OK), f"{flag} {path} is not readable")
-    records, damaged, foreign = [], [], False
+    records, damaged = [], {}  # damaged: line number -> whether it starts like a record
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             line = raw.strip(b" \t\r\n\x00")
@@ -1895,13 +1892,11 @@ def read_jsonl(path, flag):
                 record = None
             if isinstance(record, dict) and line:
                 records.append((n, record))
-            elif line:
-                damaged.append(n)
-                if not line.startswith(b"{"):  # not a cut record: binary, or another format
-                    foreign = True
-    require(records or not foreign, f"{path} has no JSON line: not a JSONL file?")
+            elif line:  # damaged: a cut record starts with "{", binary or another format not
+                damaged[n] = line.startswith(b"{")
+    require(records or all(damaged.values()), f"{path} has no JSON line: not a JSONL file?")
     if damaged:
-        shown = ", ".join(map(str, damaged[:5])) + ", ..." * (len(damaged) > 5)
+        shown = ", ".join(map(str, list(damaged)[:5])) + ", ..." * (len(damaged) > 5)
         warn(f"{path}: skipped {len(damaged)} damaged line(s) ({shown})")
     return records
 
@@ -2019,16 +2014,14 @@ def print_header(args, adapter, ledger, hp_note):
         what = f"L = {L} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}"
         what += f", moments clipped to {scale:g}·√(2·channels)"
         released = f"the {L} layers' BatchNorm statistics"
-    if ledger["private"]:
-        line = "privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step"
-        print(line.format(**ledger) + f" (μ = 2/σ = {ledger['mu_per_step']:.4f}-GDP), {what}")
-        line = "  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = {eps_per_test_image:.3g}"
-        print(line.format(**ledger))
-        line = "  per photo ({photo}): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}"
-        print(line.format(**ledger))
-        print(
-            f"  unit: {ledger['unit']}; released: {released} and every prediction for other images"
-        )
+    if ledger["private"]:  # the ledger's numbers, a line for each unit they count
+        for line in (
+            "privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step (μ = 2/σ = {mu_per_step:.4f}-GDP), {what}",
+            "  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = {eps_per_test_image:.3g}",
+            "  per photo ({photo}): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}",
+            "  unit: {unit}; released: {released} and every prediction for other images",
+        ):
+            print(line.format(**ledger, what=what, released=released))
         if ledger["noise"] == "secret":
             print("  noise: secret, from OS entropy; the state file holds it: keep it private")
         else:
