@@ -2244,12 +2244,14 @@ def main(argv=None):
 
 
 def open_run(args):
-    """Every input opened and checked before the first image: (streams, Fisher loader,
-    model, its data config, the scored classes' lookup)."""
+    """Every input opened and checked before the first image: (streams, every folder read,
+    Fisher loader, model, its data config, the scored classes' lookup)."""
     streams = open_streams(args.corruptions, args.data, args.severity)
+    folders = dict(streams)  # every folder the run reads: its transform, its fingerprint
     fisher_loader = None
     if args.fisher_data:  # the images the Fisher pass reads, checked before the first image
         fisher_set, size = open_folder(args.fisher_data), args.hp.get("fisher_size", 2000)
+        folders["--fisher-data"] = fisher_set
         fisher_loader = image_stream(
             fisher_set, args.batch_size, seed=args.seed, workers=args.workers, limit=size
         )
@@ -2261,8 +2263,8 @@ def open_run(args):
     model = build_model(args.model, args.checkpoint, bool(args.synthetic), args.seed)
     config = timm.data.resolve_data_config({}, model=model)
     transform = timm.data.create_transform(**config)
-    for ds in list(streams.values()) + ([fisher_loader.dataset.dataset] if fisher_loader else []):
-        ds.transform = transform
+    for folder in folders.values():
+        folder.transform = transform
     side = min(config["input_size"][1:])
     require(
         args.hp.get("patch_grid", 1) <= side,
@@ -2286,12 +2288,12 @@ def open_run(args):
     model = model.to(args.device)
     if args.device == "cuda" and not hasattr(model, "blocks"):  # conv trunks like channels_last
         model = model.to(memory_format=torch.channels_last)
-    return streams, fisher_loader, model, config, lookup
+    return streams, folders, fisher_loader, model, config, lookup
 
 
 def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     """Opens every input, then adapts: records and saves after each stream, then the run."""
-    streams, fisher_loader, model, config, lookup = open_run(args)
+    streams, folders, fisher_loader, model, config, lookup = open_run(args)
     hp = {k: v for k, v in args.hp.items() if k != "fisher_size"}
     # the flags DPTTA takes as they are, then those the CLI counts or defaults for it
     given = "eps clip lr privacy_unit seed noise_seed accumulate".split()
@@ -2340,9 +2342,6 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
     run["device"] = args.device  # (a generator's state is its device's: CPU and CUDA differ)
-    folders = dict(streams)
-    if fisher_loader is not None:
-        folders["--fisher-data"] = fisher_loader.dataset.dataset  # (a Subset of the folder)
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine, run["data"])
