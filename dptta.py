@@ -1668,11 +1668,9 @@ def check_args(args):
     record = METHODS[args.method]
     private, name, gradient = record.private, args.method, record.step in ("plain", "sam")
     hint = "" if gradient or record.step == "none" else f" (try dp_{name})"
-    require(
-        args.eps is None or private,
-        f"--eps applies to dp_ methods only; {name} is not private{hint}",
-    )
-    if private and args.eps is None:
+    if not private:
+        require(args.eps is None, f"--eps applies to dp_ methods only; {name} is not private{hint}")
+    elif args.eps is None:
         args.eps = 5.0
     noisy = private and math.isfinite(args.eps)  # a flag that changes nothing: refused
     given = {"--delta": args.delta is not None, "--noise-seed": args.noise_seed is not None}
@@ -1691,11 +1689,9 @@ def check_args(args):
     kind, _, alpha = args.order.partition(":")
     dirichlet = kind == "dirichlet" and is_positive(alpha)
     require(args.order in ("random", "class") or dirichlet, f"--order {args.order!r}: {ORDERS}")
-    for flag in ("repeat", "accumulate"):  # (dp_norm keeps its average: both apply)
-        require(
-            getattr(args, flag) == 1 or gradient or private,
-            f"--{flag}: {name} keeps no state, so it changes nothing",
-        )
+    if not (gradient or private):  # no state to keep (dp_norm keeps its average: both apply)
+        for flag, value in (("repeat", args.repeat), ("accumulate", args.accumulate)):
+            require(value == 1, f"--{flag}: {name} keeps no state, so it changes nothing")
     require(
         args.repeat == 1 or args.setting != "episodic",
         "--repeat is for continual or mixed streams (episodic resets)",
@@ -1751,12 +1747,10 @@ def is_positive(text):
 def parse_hp(items, method):
     """["e_margin=0.5", ...] -> {"e_margin": 0.5}: known names, finite values in range (a
     constant of a method of one's own: any finite float)."""
-    hp, own = {}, {*METHODS[method].constants, *METHODS[method].filter_constants}
+    hp, known = {}, {*HP_TYPES, *METHODS[method].constants, *METHODS[method].filter_constants}
     for item in items:
         name, _, text = item.partition("=")
-        require(
-            name in HP_TYPES or name in own, f"--hp {item}: unknown constant; {', '.join(HP_TYPES)}"
-        )
+        require(name in known, f"--hp {item}: unknown constant; {', '.join(HP_TYPES)}")
         kind, low, high = HP_TYPES.get(name, (float, -math.inf, math.inf))
         try:
             hp[name] = kind(text)
@@ -1778,15 +1772,14 @@ def check_out(args, default):
     folder = os.path.dirname(os.path.abspath(args.out))
     require(os.path.basename(args.out), f"--out {args.out!r} names no file")  # "", "dir/"
     require(not os.path.isdir(args.out), f"--out {args.out} is a folder")
-    require(
-        not os.path.exists(args.out) or os.path.isfile(args.out),
-        f"--out {args.out} is not a regular file (a FIFO, a device?)",
-    )
-    require(os.path.isdir(folder), f"--out {args.out}: its folder does not exist")
-    require(
-        os.access(args.out if os.path.exists(args.out) else folder, os.W_OK),
-        f"--out {args.out} is not writable",
-    )
+    if os.path.exists(args.out):  # a file that is there (its folder is, then), or a new one
+        require(
+            os.path.isfile(args.out), f"--out {args.out} is not a regular file (a FIFO, a device?)"
+        )
+        require(os.access(args.out, os.W_OK), f"--out {args.out} is not writable")
+    else:
+        require(os.path.isdir(folder), f"--out {args.out}: its folder does not exist")
+        require(os.access(folder, os.W_OK), f"--out {args.out} is not writable")
 
 
 def check_model(name):
@@ -2176,12 +2169,10 @@ def main(argv=None):
         args.clip = C
     if args.lr is None:
         args.lr = lr
-    gradient = METHODS[args.method].step in ("plain", "sam")
-    require(args.lr or not gradient, f"{args.method}: {source}; pass --lr (and --clip for dp_)")
-    require(
-        args.clip or not METHODS[args.method].private or not gradient,
-        f"{args.method}: {source}; pass --clip",
-    )
+    record = METHODS[args.method]
+    if record.step in ("plain", "sam"):  # a gradient step needs an lr, and dp_ a clip
+        require(args.lr, f"{args.method}: {source}; pass --lr (and --clip for dp_)")
+        require(args.clip or not record.private, f"{args.method}: {source}; pass --clip")
     key = run_key(args)
     run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
     # the run's state after each stream holds the noise generator: as secret as the data
