@@ -1390,18 +1390,14 @@ def check_public(fisher_set, streams, used):
             by_size.setdefault(st.st_size, []).append(path)
     public = "EATA's Fisher images must be public, never the test stream"
     for node, path in fisher_set.nodes.items():
-        require(
-            node not in nodes, f"--fisher-data: {path} is the stream's {nodes.get(node)}; {public}"
-        )
+        if node in nodes:
+            fail(f"--fisher-data: {path} is the stream's {nodes[node]}; {public}")
     for i in used:
         path = fisher_set.samples[i][0]
         same_size = by_size.get(fisher_set.files[path].st_size, [])
         digest = file_digest(path) if same_size else None
-        copies = [p for p in same_size if file_digest(p) == digest] + [None]
-        require(
-            copies[0] is None,
-            f"--fisher-data: {path} is a copy of the stream's {copies[0]}; {public}",
-        )
+        for original in (p for p in same_size if file_digest(p) == digest):  # the first found
+            fail(f"--fisher-data: {path} is a copy of the stream's {original}; {public}")
 
 
 def file_digest(path):
