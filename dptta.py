@@ -2399,12 +2399,11 @@ def resumed(args, adapter, resume, key, state, mine, data):
     saved_on = resume["device"]
     elsewhere = f"{state} was saved on {saved_on}: --device {saved_on} resumes it"
     require(saved_on == args.device, elsewhere)
-    folders = sorted(set(data) | set(resume["data"]))
-    changed = [name for name in folders if resume["data"].get(name) != data.get(name)] + [None]
-    require(
-        changed[0] is None,  # each folder's digest now
-        f"{changed[0]}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}",
-    )
+    for name in sorted(set(data) | set(resume["data"])):  # each folder's digest now and then
+        if resume["data"].get(name) != data.get(name):
+            fail(
+                f"{name}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}"
+            )
     adapter.set_extra_state(resume.pop("adapter"))
     adapter.noise_gen.set_state(resume.pop("noise").cpu())  # (map_location moved it)
     written = [
