@@ -1343,12 +1343,10 @@ def image_stream(
         group = np.zeros(len(perm), dtype=int)  # the corruption of each image (mixed)
         if isinstance(dataset, Mixed):
             group = np.searchsorted(dataset.cumulative_sizes, perm.numpy(), "right")
-        taken, keep = {}, []
-        for i, g in zip(perm.tolist(), group.tolist()):
-            taken[g] = taken.get(g, 0) + 1
-            if taken[g] <= limit:
-                keep.append(i)
-        perm = torch.as_tensor(keep, dtype=torch.long)
+        rank = np.zeros(len(perm), dtype=int)  # each image's place among its group's, in order
+        for g in np.unique(group):
+            rank[group == g] = np.arange(np.count_nonzero(group == g))
+        perm = perm[torch.as_tensor(rank < limit)]
     if rerun:  # a later round: its own order of the same images
         reorder = torch.Generator().manual_seed(seed + rerun)
         perm = perm[torch.randperm(len(perm), generator=reorder)]
@@ -1407,18 +1405,14 @@ def check_public(fisher_set, streams, used):
             by_size.setdefault(st.st_size, []).append(path)
     public = "EATA's Fisher images must be public, never the test stream"
     for node, path in fisher_set.nodes.items():
-        require(
-            node not in nodes, f"--fisher-data: {path} is the stream's {nodes.get(node)}; {public}"
-        )
+        if node in nodes:
+            fail(f"--fisher-data: {path} is the stream's {nodes[node]}; {public}")
     for i in used:
         path = fisher_set.samples[i][0]
         same_size = by_size.get(fisher_set.files[path].st_size, [])
         digest = file_digest(path) if same_size else None
-        copies = [p for p in same_size if file_digest(p) == digest] + [None]
-        require(
-            copies[0] is None,
-            f"--fisher-data: {path} is a copy of the stream's {copies[0]}; {public}",
-        )
+        for original in (p for p in same_size if file_digest(p) == digest):  # the first found
+            fail(f"--fisher-data: {path} is a copy of the stream's {original}; {public}")
 
 
 def file_digest(path):
@@ -1636,10 +1630,11 @@ def parse_args(argv=None):
     g("--per-corruption", action="store_true", help="--summarize: per corruption too")
     g("--error", action="store_true", help="--summarize: error %%, not top-1")
     g("--benchmark", action="store_true", help="time a step of every method")
-    g("--rounds", type=number(int, 1), help="--benchmark: timed rounds (default 5)")
+    g("--rounds", type=number(int, 1), default=5, help="--benchmark: timed rounds (default 5)")
     g("--audit", action="store_true", help="an empirical ε lower bound")
-    g("--trials", type=number(int, 100), help="--audit: white-box trials (default 20000)")
-    g("--e2e-trials", type=number(int, 100), help="--audit: end-to-end trials (default 5000)")
+    trials = number(int, 100)
+    g("--trials", type=trials, default=20000, help="--audit: white-box trials (default 20000)")
+    g("--e2e-trials", type=trials, default=5000, help="--audit: end-to-end trials (default 5000)")
     args = ap.parse_args(argv)
     for action in ap._actions:  # parsed again with no defaults: the flags the command gave
         action.default = argparse.SUPPRESS
@@ -1647,13 +1642,8 @@ def parse_args(argv=None):
     return args
 
 
-TOOL_FLAGS = dict(
-    rounds=("benchmark", 5),
-    trials=("audit", 20000),
-    e2e_trials=("audit", 5000),
-    per_corruption=("summarize", False),
-    error=("summarize", False),
-)
+# the flags only one tool reads (their defaults are argparse's): refused anywhere else
+TOOL_FLAGS = dict(benchmark="rounds", audit="trials e2e_trials", summarize="per_corruption error")
 
 
 # the flags each tool reads, besides the machine's (--device, --workers); any other flag given
@@ -1671,14 +1661,10 @@ def check_common(args, mode=None):
         unread = set(args.given) - set(MODE_FLAGS[mode].split()) - {"device", "workers"}
         unread = sorted(f"--{flag.replace('_', '-')}" for flag in unread) + [None]
         require(unread[0] is None, f"{unread[0]} does not apply to --{mode}")
-    for flag, (tool, default) in TOOL_FLAGS.items():
-        value = getattr(args, flag)
-        require(
-            value in (None, False) or mode == tool,
-            f"--{flag.replace('_', '-')} is for --{tool} only",
-        )
-        if value is None:
-            setattr(args, flag, default)
+    for tool, flags in TOOL_FLAGS.items():
+        for flag in flags.split():
+            shown = f"--{flag.replace('_', '-')}"
+            require(flag not in args.given or mode == tool, f"{shown} is for --{tool} only")
     if args.model is not None:
         check_model(args.model)
     require(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device")
@@ -1693,11 +1679,9 @@ def check_args(args):
     record = METHODS[args.method]
     private, name, gradient = record.private, args.method, record.step in ("plain", "sam")
     hint = "" if gradient or record.step == "none" else f" (try dp_{name})"
-    require(
-        args.eps is None or private,
-        f"--eps applies to dp_ methods only; {name} is not private{hint}",
-    )
-    if private and args.eps is None:
+    if not private:
+        require(args.eps is None, f"--eps applies to dp_ methods only; {name} is not private{hint}")
+    elif args.eps is None:
         args.eps = 5.0
     noisy = private and math.isfinite(args.eps)  # a flag that changes nothing: refused
     given = {"--delta": args.delta is not None, "--noise-seed": args.noise_seed is not None}
@@ -1716,11 +1700,9 @@ def check_args(args):
     kind, _, alpha = args.order.partition(":")
     dirichlet = kind == "dirichlet" and is_positive(alpha)
     require(args.order in ("random", "class") or dirichlet, f"--order {args.order!r}: {ORDERS}")
-    for flag in ("repeat", "accumulate"):  # (dp_norm keeps its average: both apply)
-        require(
-            getattr(args, flag) == 1 or gradient or private,
-            f"--{flag}: {name} keeps no state, so it changes nothing",
-        )
+    if not (gradient or private):  # no state to keep (dp_norm keeps its average: both apply)
+        for flag, value in (("repeat", args.repeat), ("accumulate", args.accumulate)):
+            require(value == 1, f"--{flag}: {name} keeps no state, so it changes nothing")
     require(
         args.repeat == 1 or args.setting != "episodic",
         "--repeat is for continual or mixed streams (episodic resets)",
@@ -1744,14 +1726,13 @@ def check_args(args):
         require(not args.synthetic, "--synthetic makes ImageNet-C trees, not ImageNet-R")
         require(args.corruptions == list(CORRUPTIONS), "--corruptions: ImageNet-R has none")
         args.corruptions = ["imagenet_r"]
-    if args.synthetic and args.corruptions == list(CORRUPTIONS):  # a short smoke run
-        args.corruptions = args.corruptions[:3]
-    require(args.synthetic or args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
-    ignored = args.synthetic and "data" in args.given
-    require(not ignored, "--synthetic makes its own tree: --data does not apply")
-    require(
-        args.synthetic or os.path.isdir(args.data), f"--data {args.data} is not a folder; {LAYOUT}"
-    )
+    if args.synthetic:
+        require("data" not in args.given, "--synthetic makes its own tree: --data does not apply")
+        if args.corruptions == list(CORRUPTIONS):  # a short smoke run
+            args.corruptions = args.corruptions[:3]
+    else:
+        require(args.data, f"no data root: pass --data or set $IMAGENET_C; {LAYOUT}")
+        require(os.path.isdir(args.data), f"--data {args.data} is not a folder; {LAYOUT}")
     for flag, fits, kind in (
         ("checkpoint", os.path.isfile, "a file"),
         ("fisher_data", os.path.isdir, "a folder of <wnid>/ folders"),
@@ -1777,12 +1758,10 @@ def is_positive(text):
 def parse_hp(items, method):
     """["e_margin=0.5", ...] -> {"e_margin": 0.5}: known names, finite values in range (a
     constant of a method of one's own: any finite float)."""
-    hp, own = {}, {*METHODS[method].constants, *METHODS[method].filter_constants}
+    hp, known = {}, {*HP_TYPES, *METHODS[method].constants, *METHODS[method].filter_constants}
     for item in items:
         name, _, text = item.partition("=")
-        require(
-            name in HP_TYPES or name in own, f"--hp {item}: unknown constant; {', '.join(HP_TYPES)}"
-        )
+        require(name in known, f"--hp {item}: unknown constant; {', '.join(HP_TYPES)}")
         kind, low, high = HP_TYPES.get(name, (float, -math.inf, math.inf))
         try:
             hp[name] = kind(text)
@@ -1804,15 +1783,14 @@ def check_out(args, default):
     folder = os.path.dirname(os.path.abspath(args.out))
     require(os.path.basename(args.out), f"--out {args.out!r} names no file")  # "", "dir/"
     require(not os.path.isdir(args.out), f"--out {args.out} is a folder")
-    require(
-        not os.path.exists(args.out) or os.path.isfile(args.out),
-        f"--out {args.out} is not a regular file (a FIFO, a device?)",
-    )
-    require(os.path.isdir(folder), f"--out {args.out}: its folder does not exist")
-    require(
-        os.access(args.out if os.path.exists(args.out) else folder, os.W_OK),
-        f"--out {args.out} is not writable",
-    )
+    if os.path.exists(args.out):  # a file that is there (its folder is, then), or a new one
+        require(
+            os.path.isfile(args.out), f"--out {args.out} is not a regular file (a FIFO, a device?)"
+        )
+        require(os.access(args.out, os.W_OK), f"--out {args.out} is not writable")
+    else:
+        require(os.path.isdir(folder), f"--out {args.out}: its folder does not exist")
+        require(os.access(folder, os.W_OK), f"--out {args.out} is not writable")
 
 
 def check_model(name):
@@ -1908,7 +1886,7 @@ def read_jsonl(path, flag):
     JSONL file, unless every line of it starts like a record."""
     require(os.path.isfile(path), f"{flag} {path} does not exist or is not a regular file")
     require(os.access(path, os.R_OK), f"{flag} {path} is not readable")
-    records, damaged, foreign = [], [], False
+    records, damaged = [], {}  # damaged: line number -> whether it starts like a record
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             line = raw.strip(b" \t\r\n\x00")
@@ -1918,13 +1896,11 @@ def read_jsonl(path, flag):
                 record = None
             if isinstance(record, dict) and line:
                 records.append((n, record))
-            elif line:
-                damaged.append(n)
-                if not line.startswith(b"{"):  # not a cut record: binary, or another format
-                    foreign = True
-    require(records or not foreign, f"{path} has no JSON line: not a JSONL file?")
+            elif line:  # damaged: a cut record starts with "{", binary or another format not
+                damaged[n] = line.startswith(b"{")
+    require(records or all(damaged.values()), f"{path} has no JSON line: not a JSONL file?")
     if damaged:
-        shown = ", ".join(map(str, damaged[:5])) + ", ..." * (len(damaged) > 5)
+        shown = ", ".join(map(str, list(damaged)[:5])) + ", ..." * (len(damaged) > 5)
         warn(f"{path}: skipped {len(damaged)} damaged line(s) ({shown})")
     return records
 
@@ -2042,16 +2018,14 @@ def print_header(args, adapter, ledger, hp_note):
         what = f"L = {L} BN layers, each σ_l = √L·σ = {adapter.sigma:.4f}"
         what += f", moments clipped to {scale:g}·√(2·channels)"
         released = f"the {L} layers' BatchNorm statistics"
-    if ledger["private"]:
-        line = "privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step"
-        print(line.format(**ledger) + f" (μ = 2/σ = {ledger['mu_per_step']:.4f}-GDP), {what}")
-        line = "  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = {eps_per_test_image:.3g}"
-        print(line.format(**ledger))
-        line = "  per photo ({photo}): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}"
-        print(line.format(**ledger))
-        print(
-            f"  unit: {ledger['unit']}; released: {released} and every prediction for other images"
-        )
+    if ledger["private"]:  # the ledger's numbers, a line for each unit they count
+        for line in (
+            "privacy: ({eps:g}, {delta:g})-DP per {privacy_unit} | σ = {sigma:.4f} per step (μ = 2/σ = {mu_per_step:.4f}-GDP), {what}",
+            "  per test image ({rounds} step(s)): μ = {mu_per_test_image:.4f}, ε = {eps_per_test_image:.3g}",
+            "  per photo ({photo}): μ = {mu_per_photo:.4f}, ε = {eps_per_photo:.3g}",
+            "  unit: {unit}; released: {released} and every prediction for other images",
+        ):
+            print(line.format(**ledger, what=what, released=released))
         if ledger["noise"] == "secret":
             print("  noise: secret, from OS entropy; the state file holds it: keep it private")
         else:
@@ -2206,12 +2180,10 @@ def main(argv=None):
         args.clip = C
     if args.lr is None:
         args.lr = lr
-    gradient = METHODS[args.method].step in ("plain", "sam")
-    require(args.lr or not gradient, f"{args.method}: {source}; pass --lr (and --clip for dp_)")
-    require(
-        args.clip or not METHODS[args.method].private or not gradient,
-        f"{args.method}: {source}; pass --clip",
-    )
+    record = METHODS[args.method]
+    if record.step in ("plain", "sam"):  # a gradient step needs an lr, and dp_ a clip
+        require(args.lr, f"{args.method}: {source}; pass --lr (and --clip for dp_)")
+        require(args.clip or not record.private, f"{args.method}: {source}; pass --clip")
     key = run_key(args)
     run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
     # the run's state after each stream holds the noise generator: as secret as the data
@@ -2274,12 +2246,14 @@ def main(argv=None):
 
 
 def open_run(args):
-    """Every input opened and checked before the first image: (streams, Fisher loader,
-    model, its data config, the scored classes' lookup)."""
+    """Every input opened and checked before the first image: (streams, every folder read,
+    Fisher loader, model, its data config, the scored classes' lookup)."""
     streams = open_streams(args.corruptions, args.data, args.severity)
+    folders = dict(streams)  # every folder the run reads: its transform, its fingerprint
     fisher_loader = None
     if args.fisher_data:  # the images the Fisher pass reads, checked before the first image
         fisher_set, size = open_folder(args.fisher_data), args.hp.get("fisher_size", 2000)
+        folders["--fisher-data"] = fisher_set
         fisher_loader = image_stream(
             fisher_set, args.batch_size, seed=args.seed, workers=args.workers, limit=size
         )
@@ -2291,8 +2265,8 @@ def open_run(args):
     model = build_model(args.model, args.checkpoint, bool(args.synthetic), args.seed)
     config = timm.data.resolve_data_config({}, model=model)
     transform = timm.data.create_transform(**config)
-    for ds in list(streams.values()) + ([fisher_loader.dataset.dataset] if fisher_loader else []):
-        ds.transform = transform
+    for folder in folders.values():
+        folder.transform = transform
     side = min(config["input_size"][1:])
     require(
         args.hp.get("patch_grid", 1) <= side,
@@ -2316,12 +2290,12 @@ def open_run(args):
     model = model.to(args.device)
     if args.device == "cuda" and not hasattr(model, "blocks"):  # conv trunks like channels_last
         model = model.to(memory_format=torch.channels_last)
-    return streams, fisher_loader, model, config, lookup
+    return streams, folders, fisher_loader, model, config, lookup
 
 
 def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     """Opens every input, then adapts: records and saves after each stream, then the run."""
-    streams, fisher_loader, model, config, lookup = open_run(args)
+    streams, folders, fisher_loader, model, config, lookup = open_run(args)
     hp = {k: v for k, v in args.hp.items() if k != "fisher_size"}
     # the flags DPTTA takes as they are, then those the CLI counts or defaults for it
     given = "eps clip lr privacy_unit seed noise_seed accumulate".split()
@@ -2370,9 +2344,6 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
     run["device"] = args.device  # (a generator's state is its device's: CPU and CUDA differ)
-    folders = dict(streams)
-    if fisher_loader is not None:
-        folders["--fisher-data"] = fisher_loader.dataset.dataset  # (a Subset of the folder)
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine, run["data"])
@@ -2443,12 +2414,11 @@ def resumed(args, adapter, resume, key, state, mine, data):
     saved_on = resume["device"]
     elsewhere = f"{state} was saved on {saved_on}: --device {saved_on} resumes it"
     require(saved_on == args.device, elsewhere)
-    folders = sorted(set(data) | set(resume["data"]))
-    changed = [name for name in folders if resume["data"].get(name) != data.get(name)] + [None]
-    require(
-        changed[0] is None,  # each folder's digest now
-        f"{changed[0]}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}",
-    )
+    for name in sorted(set(data) | set(resume["data"])):  # each folder's digest now and then
+        if resume["data"].get(name) != data.get(name):
+            fail(
+                f"{name}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}"
+            )
     adapter.set_extra_state(resume.pop("adapter"))
     adapter.noise_gen.set_state(resume.pop("noise").cpu())  # (map_location moved it)
     written = [
