@@ -2298,7 +2298,7 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     streams, folders, fisher_loader, model, config, lookup = open_run(args)
     hp = {k: v for k, v in args.hp.items() if k != "fisher_size"}
     # the flags DPTTA takes as they are, then those the CLI counts or defaults for it
-    given = "eps clip lr privacy_unit seed noise_seed accumulate".split()
+    given = "eps clip lr seed noise_seed accumulate".split()
     kwargs = {k: getattr(args, k) for k in given}
     mixed = args.setting == "mixed"
     photo = photo_factor(len(streams), mixed)  # a photo's versions: in k steps, or one at worst
@@ -2343,7 +2343,9 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         sources = {"mixed": or_fail(Mixed, streams)}
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
-    run["device"] = args.device  # (a generator's state is its device's: CPU and CUDA differ)
+    # (on another device the replay would compute other releases under the same noise, and the
+    # shuffles' generator is its device's)
+    run["device"] = args.device
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine, run["data"])
@@ -2400,17 +2402,18 @@ DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}
 
 def run_state(run, adapter):
     """What --resume needs: the run's bookkeeping, the adapter's checkpoint, and its noise
-    generator's state. A killed stream is streamed again from the start: with the noise it
+    stream's state. A killed stream is streamed again from the start: with the noise it
     drew before, its releases are the ones already made, not a second, uncounted set."""
-    return dict(run, adapter=adapter.get_extra_state(), noise=adapter.noise_gen.get_state())
+    return dict(run, adapter=adapter.get_extra_state(), noise=adapter.noise.get_state())
 
 
 def resumed(args, adapter, resume, key, state, mine, data):
     """A killed run's bookkeeping, its adapter where it stood; the records the state holds
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
-    older = "noise" not in resume or not isinstance(resume.get("data"), dict)
-    require(not older, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
+    # (before the keyed stream "noise" was a torch generator's state; "data", "device" came later)
+    current = isinstance(resume.get("noise"), dict) and isinstance(resume.get("data"), dict)
+    require(current and "device" in resume, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
     saved_on = resume["device"]
     elsewhere = f"{state} was saved on {saved_on}: --device {saved_on} resumes it"
     require(saved_on == args.device, elsewhere)
@@ -2420,7 +2423,7 @@ def resumed(args, adapter, resume, key, state, mine, data):
                 f"{name}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}"
             )
     adapter.set_extra_state(resume.pop("adapter"))
-    adapter.noise_gen.set_state(resume.pop("noise").cpu())  # (map_location moved it)
+    adapter.noise.set_state(resume.pop("noise"))
     written = [
         (r.get("corruption"), r.get("round"))
         for r in mine
