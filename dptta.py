@@ -1486,12 +1486,14 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
 
 
 # The constants --hp NAME=VALUE may set: (type, low, high), an open interval
+# a margin is a fraction of ln K (above 1 every sample passes its filter); EATA's and DeYO's
+# weight exp(margin·ln K − H) overflows fp32 beyond margin·ln K = 88, which 8 keeps for K < 60,000
 HP_TYPES = dict(
-    e_margin=(float, 0, math.inf),
+    e_margin=(float, 0, 8),
     d_margin=(float, 0, math.inf),
     rho=(float, 0, math.inf),
     reset_ema=(float, -math.inf, math.inf),
-    deyo_margin=(float, 0, math.inf),
+    deyo_margin=(float, 0, 8),
     plpd_threshold=(float, -1, 1),
     patch_grid=(int, 0, math.inf),
     num_classes=(int, 1, math.inf),

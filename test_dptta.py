@@ -2390,6 +2390,8 @@ def bad_input_cases(root, ckpt):
         "fisher hp without fisher": (ok + ["--method", "eata", "--hp", "fisher_lambda=1"],
                                      "does not change a eata run"),
         "negative rho": (ok + ["--method", "sar", "--hp", "rho=-0.05"], "must be in (0, inf)"),
+        "margin past fp32's exp": (ok + ["--method", "eata", "--hp", "e_margin=1e300"],
+                                   "must be in (0, 8)"),
         "photo not private": (ok + ["--method", "tent", "--privacy-unit", "photo"],
                               "--privacy-unit photo applies"),
         "photo clip only": (ok + ["--eps", "inf", "--privacy-unit", "photo"],
