@@ -741,7 +741,8 @@ class DPTTA(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         """.to(), .cuda(), .half() of a built adapter: refused (a no-op one passes), as θ0, the
-        fp32 masters and the shuffles' generator would stay where they were: move the model first."""
+        fp32 masters and the shuffles' generator would stay where they were: move the model
+        first."""
         p = next(self.model.parameters())
         moved = fn(p.detach())  # (a move to where it is already is no move)
         same = (moved.device, moved.dtype) == (p.device, p.dtype)
@@ -1928,7 +1929,7 @@ def append_jsonl(path, record):
 
 
 def save_state(path, state, first=False):
-    """torch.save to a file only its owner reads (it holds the noise generator: as secret as
+    """torch.save to a file only its owner reads (it holds the noise stream's key: as secret as
     the data), then a rename: a kill leaves the old state or the new one, never the .tmp.
     The first save, before any image, stops the run if it fails; a later one warns."""
     if path is None:  # --out /dev/null: nothing to resume
@@ -2188,7 +2189,7 @@ def main(argv=None):
         require(args.clip or not record.private, f"{args.method}: {source}; pass --clip")
     key = run_key(args)
     run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
-    # the run's state after each stream holds the noise generator: as secret as the data
+    # the run's state after each stream holds the noise stream's key: as secret as the data
     state = None if args.out == os.devnull else f"{args.out}.{run_hash}.pt"
     mine = []  # this run's records already in --out
     if args.resume and os.path.exists(args.out):
@@ -2414,8 +2415,12 @@ def resumed(args, adapter, resume, key, state, mine, data):
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
     # (before the keyed stream "noise" was a torch generator's state; "data", "device" came later)
-    current = isinstance(resume.get("noise"), dict) and isinstance(resume.get("data"), dict)
-    require(current and "device" in resume, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
+    current = (
+        isinstance(resume.get("noise"), dict)
+        and isinstance(resume.get("data"), dict)
+        and "device" in resume
+    )
+    require(current, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
     saved_on = resume["device"]
     elsewhere = f"{state} was saved on {saved_on}: --device {saved_on} resumes it"
     require(saved_on == args.device, elsewhere)

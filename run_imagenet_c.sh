@@ -33,7 +33,8 @@
 # Time (an estimate, not measured here): ViT-B/16 in bf16 on one H100-class GPU streams
 #   roughly 1,000 images/s; a cell is 15 x 50,000 images, ~13 min. The main grid is
 #   (1 source + 5 methods x 7 columns) x 2 settings = 72 cells per seed, ~16 GPU-hours per seed.
-#   The tune stage is 5 x (5 x 45 + 72) x 2 = 2,970 cells on 4 corruptions: use EXTRA="--limit 2000".
+#   The tune stage is 5 x (5 x 45 + 72) x 2 = 2,970 cells on 4 corruptions: use
+#   EXTRA="--limit 2000".
 set -euo pipefail
 set -f  # no globbing: EXTRA's and the cells' words reach dptta.py as --dry-run prints them
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this script
@@ -127,6 +128,8 @@ def chosen(key, paper):  # (C, lr): the paper's, or with --tuned the tune stage'
               "tune stage for it", file=sys.stderr)
         sys.exit(2)
     return tuned[key]
+
+
 epsilons = [int(e) if float(e).is_integer() else float(e) for e in env["EPSILONS"]]
 
 
@@ -253,8 +256,8 @@ if not args.synthetic and not args.checkpoint:  # fetched once each, or one line
 PY
 
 # shellcheck disable=SC2086
-if [ -n "${SLURM_ARRAY_TASK_ID:-}" ]; then  # one cell per array task; the summary is yours
-  exec "$PYTHON" dptta.py ${cells[$SLURM_ARRAY_TASK_ID]} --out "$out" --resume $EXTRA
+if [ -n "$task" ]; then  # one cell per array task; the summary is yours
+  exec "$PYTHON" dptta.py ${cells[$task]} --out "$out" --resume $EXTRA
 fi
 # One grid per $out: a second one would run its cells again, releasing their images twice.
 # The lock is held by the open file, so by every worker and cell, and ends with the last.

@@ -3147,9 +3147,10 @@ echo "${{CUDA_VISIBLE_DEVICES-unset}}" >> {tmp_path}/gpus
 
 
 def test_the_grid_reads_cuda_visible_devices_as_cuda_does(tmp_path):
-    """The workers are the GPUs CUDA would see: up to the first entry that names none. An
-    empty value or -1 hides every GPU (one CPU worker, the cells keep the value); it never
-    falls back to nvidia-smi's list, which would hand the cells GPUs the job was not given."""
+    """The workers are the GPUs CUDA would see: up to the first entry that names none, and
+    each cell is given its worker's. An empty value or -1 hides every GPU (one CPU worker); it
+    never falls back to nvidia-smi's list, which would hand the cells GPUs the job was not
+    given."""
     env = recording_python(tmp_path)
     for value, workers in (("2,3", "2 worker(s) (2 GPU(s))"), ("0,,1", "1 worker(s) (1 GPU(s))"),
                            ("-1", "1 worker(s) (no GPU: CPU)"), ("", "1 worker(s) (no GPU: CPU)"),
