@@ -1903,9 +1903,16 @@ def read_jsonl(path, flag):
                 damaged[n] = line.startswith(b"{")
     require(records or all(damaged.values()), f"{path} has no JSON line: not a JSONL file?")
     if damaged:
-        shown = ", ".join(map(str, list(damaged)[:5])) + ", ..." * (len(damaged) > 5)
-        warn(f"{path}: skipped {len(damaged)} damaged line(s) ({shown})")
+        warn(f"{path}: skipped {len(damaged)} damaged line(s) ({first_few(list(damaged))})")
     return records
+
+
+def first_few(line_numbers):
+    """Line numbers as a warning shows them: "3, 7, 9", or the first five and "..."."""
+    shown = ", ".join(map(str, line_numbers[:5]))
+    if len(line_numbers) > 5:
+        shown += ", ..."
+    return shown
 
 
 def append_jsonl(path, record):
@@ -2550,9 +2557,8 @@ def summarize(path, per_corruption=False, error=False):
     records = [r for _, r in ours if readable(r)]
     unreadable = [n for n, r in ours if not readable(r)]
     if unreadable:
-        lines = ", ".join(map(str, unreadable[:5]))
         why = "lacking fields or finite numbers"
-        warn(f"{path}: skipped {len(unreadable)} record(s) {why} (line(s) {lines})")
+        warn(f"{path}: skipped {len(unreadable)} record(s) {why} (line(s) {first_few(unreadable)})")
     finals = [r for r in records if r["mode"] == "adapt"]
     done = [r["key"] for r in finals]  # a dead run rerun to the end: done
     unfinished = {}  # run_id -> the corruption records of a run with no final record

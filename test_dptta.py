@@ -3337,7 +3337,7 @@ def test_summarize_skips_and_names_records_it_cannot_read(tmp_path, capsys):
     path.write_text("\n".join(lines + ["[" * 100_000 + "]" * 100_000]) + "\n")
     assert dptta.main(["--summarize", str(path)]) == 0
     captured = capsys.readouterr()
-    assert "skipped 8 record(s) lacking fields or finite numbers (line(s) 2, 3, 4, 6, 7" in captured.err
+    assert "skipped 8 record(s) lacking fields or finite numbers (line(s) 2, 3, 4, 6, 7, ...)" in captured.err
     assert "skipped 1 damaged line(s) (11)" in captured.err  # nested too deep for json
     rows = [line.split()[0] for line in captured.out.splitlines() if line[:1].isalpha()]
     assert rows[-2:] == ["tent", "my_loss"]
