@@ -1107,8 +1107,9 @@ class DPNorm(DPTTA):
         if not private:
             self.batch_statistics([m for _, m in chosen])
             return
-        none = [n for n, m in chosen if m.running_mean is None] + [None]
-        need(none[0] is None, f"{name}: BatchNorm {none[0]} has no running statistics")
+        for layer, m in chosen:
+            missing = f"{name}: BatchNorm {layer} has no running statistics"
+            need(m.running_mean is not None, missing)
         self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in chosen}
         self.releases = len(self.bn_src)
         self.sigma *= math.sqrt(self.releases)  # σ_l = √L·σ: L releases per image
@@ -1252,8 +1253,8 @@ class WnidFolder(ImageFolder):
     def __init__(self, root, transform=None):
         super().__init__(root, transform)  # raises: no class folder, an empty one
         index = {w: i for i, w in enumerate(timm.data.ImageNetInfo().label_names())}
-        unknown = [c for c in self.classes if c not in index] + [None]
-        need(unknown[0] is None, f"{unknown[0]} is not an ImageNet-1k WordNet id")
+        for c in self.classes:
+            need(c in index, f"{c} is not an ImageNet-1k WordNet id")
         self.imagenet_index = [index[c] for c in self.classes]
 
     def find_classes(self, directory):
@@ -1662,8 +1663,8 @@ def check_common(args, mode=None):
     """What every mode reads: no other mode's flag, the device and dtype (decided once)."""
     if mode is not None:
         unread = set(args.given) - set(MODE_FLAGS[mode].split()) - {"device", "workers"}
-        unread = sorted(f"--{flag.replace('_', '-')}" for flag in unread) + [None]
-        require(unread[0] is None, f"{unread[0]} does not apply to --{mode}")
+        for flag in sorted(unread):
+            fail(f"--{flag.replace('_', '-')} does not apply to --{mode}")
     for tool, flags in TOOL_FLAGS.items():
         for flag in flags.split():
             shown = f"--{flag.replace('_', '-')}"
@@ -1722,8 +1723,8 @@ def check_args(args):
     args.corruptions = [c for c in args.corruptions.split(",") if c]
     require(args.corruptions, "--corruptions is empty")
     known = CORRUPTIONS + HELD_OUT
-    unknown = [c for c in args.corruptions if c not in known] + [None]
-    require(unknown[0] is None, f"unknown corruption {unknown[0]!r}; one of {', '.join(known)}")
+    for c in args.corruptions:
+        require(c in known, f"unknown corruption {c!r}; one of {', '.join(known)}")
     require(len(set(args.corruptions)) == len(args.corruptions), "--corruptions repeats one")
     if args.dataset == "imagenet_r":
         require(not args.synthetic, "--synthetic makes ImageNet-C trees, not ImageNet-R")
@@ -2375,10 +2376,9 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         correct, scored, bad = stream_through(
             adapter, loader, label, args=args, lookup=lookup, groups=len(groups)
         )
-        empty = [c for c, images in zip(groups, scored) if not images] + [None]
-        if empty[0] is not None:  # a 0% of no image would be a made-up measurement
-            unread = f"{empty[0]}: no image of it could be read"
-            fail(f"{unread}; stopped, no record of it or the run", 3)
+        for c, images in zip(groups, scored):  # a 0% of no image would be a made-up measurement
+            if not images:
+                fail(f"{c}: no image of it could be read; stopped, no record of it or the run", 3)
         run["images"] += sum(scored)
         run["unreadable"] += bad
         run["drift"][label] = drift = drift_of(adapter)

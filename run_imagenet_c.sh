@@ -242,8 +242,8 @@ import contextlib, io, os, sys
 import dptta
 # EXTRA's flags as dptta.py reads them (--seed=3, an abbreviation --se 3): none the grid sets
 grids = {"method", "eps", "clip", "lr", "seed", "setting", "out", "resume"}
-given = sorted(grids & set(dptta.parse_args(sys.argv[1:]).given)) + [None]
-dptta.require(given[0] is None, f"EXTRA sets --{given[0]}, which the grid sets for each cell")
+for flag in sorted(grids & set(dptta.parse_args(sys.argv[1:]).given)):
+    dptta.fail(f"EXTRA sets --{flag}, which the grid sets for each cell")
 cells = []
 for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks it (quietly)
     argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[1:]
