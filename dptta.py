@@ -1468,9 +1468,9 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
     used); an ε the paper did not tune takes the nearest tuned ε on a log scale; a method of
     the user's own has none."""
     private, base = METHODS[method].private, method.removeprefix("dp_")
-    table, note = {"come": "tent"}.get(base, base), ""
-    if table != base:
-        note = f"; no entry for {base} alone, {table}'s used"
+    table, note = base, ""
+    if base == "come":  # the paper has no row for COME alone: Tent's, a plain step with no filter
+        table, note = "tent", "; no entry for come alone, tent's used"
     if METHODS[method].step not in ("plain", "sam"):
         return None, None, "no gradient step"
     if table not in PAPER_LR["continual"]:
@@ -1512,7 +1512,10 @@ def constants_used(method, fisher=False):
     record = METHODS[method]
     names = {*record.constants, *record.filter_constants} - {"fisher"}
     if "fisher_lambda" in names:
-        names = names | {"fisher_size"} if fisher else names - {"fisher_lambda"}
+        if fisher:
+            names.add("fisher_size")
+        else:
+            names.remove("fisher_lambda")
     return names
 
 
@@ -2571,7 +2574,8 @@ def summarize(path, per_corruption=False, error=False):
         table = json.dumps({k: v for k, v in r["key"].items() if k not in PER_CELL}, sort_keys=True)
         cell_key = json.dumps(dict(r["key"], seed=None), sort_keys=True)
         seeds = tables.setdefault(table, {}).setdefault(cell_key, {})
-        duplicates += r["key"]["seed"] in seeds
+        if r["key"]["seed"] in seeds:
+            duplicates += 1
         seeds[r["key"]["seed"]] = r
     for table, cells in tables.items():
         runs_of = [list(seeds.values()) for seeds in cells.values()]  # a cell's runs, a seed each
