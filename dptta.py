@@ -1479,6 +1479,8 @@ def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
         return None, PAPER_LR[setting][table], f"paper, non-private {table}, {setting}{note}"
     if not private or math.isinf(eps):
         C, lr = PAPER_CLIP_ONLY[setting][table]
+        if private:  # the paper tuned no DP variant at ε = inf (no filter, no noise)
+            note += f"; for dp_{table} at ε=inf, unfiltered"
         return C, lr, f"paper, clip-only {table}, {setting}{note}"
     near = min(TUNED_EPS, key=lambda e: abs(math.log(e / eps)))
     if near != eps:

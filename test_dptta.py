@@ -1164,6 +1164,25 @@ def test_the_readmes_gpu_example_names_calls_that_exist():
     assert dptta.paper_hparams("dp_deyo", eps=5)[:2] == (0.1, 5e-3)
 
 
+def test_paper_hparams_reads_the_papers_tables_as_the_paper_names_its_rows():
+    """Spot values typed from the paper's tables (ViT-B/16, batch 64): the DP rows by ε, the
+    nearest tuned ε on a log scale, the clip-only and non-private rows, COME on Tent's row."""
+    hp = dptta.paper_hparams
+    assert hp("dp_sar", eps=10)[:2] == (15, 1e-4)  # continual dp_sar ε=10
+    assert hp("dp_eata", eps=20, setting="episodic")[:2] == (10, 5e-3)
+    C, lr, note = hp("dp_tent", eps=7)  # log(7/5) < log(10/7): ε = 5's row
+    assert (C, lr) == (1, 1e-3) and "nearest tuned ε=5" in note
+    assert hp("dp_tent", eps=3)[:2] == (1, 1e-3)  # log(5/3) < log(3/1)
+    assert hp("dp_tent", eps=2)[:2] == (0.1, 5e-3)  # log(2) < log(5/2): ε = 1's row
+    assert hp("deyo", clip=1.0, setting="episodic")[:2] == (35, 5e-3)  # clip-only DeYO
+    assert hp("eata")[:2] == (None, 5e-4)  # non-private: no clip, the original's lr
+    C, lr, note = hp("dp_deyo_come", eps=math.inf)  # no DP row at ε = inf: the clip-only one
+    assert (C, lr) == (20, 0.01) and "ε=inf, unfiltered" in note
+    C, lr, note = hp("dp_come", eps=15)
+    assert (C, lr) == (0.1, 0.05) and "tent's used" in note
+    assert hp("source")[:2] == hp("dp_norm", eps=5)[:2] == (None, None)
+
+
 def readmes_own_method(capsys):
     """The README's method of one's own, run as printed: its namespace."""
     block = next(b for b in readme_blocks() if "dptta.Method(" in b)
