@@ -129,10 +129,11 @@ def gdp_epsilon(*, sigma, delta):
     _check_privacy(delta=delta, sigma=sigma)
     if sigma == 0:
         return math.inf
-    if math.isinf(sigma):  # all noise: nothing is told
-        return 0.0
     f = partial(_relative_excess, sigma=sigma, delta=delta)
-    if f(0.0) <= 0:  # (the root finder below halves its lower end: 0 would never move)
+    # σ = inf is all noise: nothing is told (f is not called there: it would divide by μ = 0).
+    # Otherwise ε = 0 where it already meets delta (the root finder below halves its lower end:
+    # 0 would never move)
+    if math.isinf(sigma) or f(0.0) <= 0:
         return 0.0
     return _smallest(f, 0.0, 1.0)
 
@@ -173,11 +174,10 @@ def _trunk_cut(model):
         leaf = name.rsplit(".", 1)[-1]
         trunk = leaf in ("blocks", "layer", "layers", "stages", "features")
         if trunk and isinstance(module, (nn.Sequential, nn.ModuleList)):
-            top = 1
-            if leaf in ("blocks", "layer") or (leaf == "layers" and len(module) >= 6):
-                top = 3
+            by_block = leaf in ("blocks", "layer") or (leaf == "layers" and len(module) >= 6)
+            top = 3 if by_block else 1  # the top: the last 3 blocks, or the last stage
             if len(module) > top:  # a Sequential built from a dict names its items
-                return f"{name}.{list(module._modules)[len(module) - top]}"
+                return f"{name}.{list(module._modules)[-top]}"
         if re.fullmatch(r"layer\d+", leaf) and isinstance(module, nn.Sequential):
             layers.append((int(leaf[5:]), name))
     if len(layers) > 1:
@@ -247,18 +247,17 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     need(not coupled, f"BatchNorm {coupled} {why}: no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
+    if chunk_size is None:  # the whole batch on a GPU; on a CPU 8, which stay in cache
+        chunk_size = 8 if x.device.type == "cpu" else len(x)
 
     def loss_one(theta_i, xi, ci):  # under vmap: one sample and its own view θ_i
         logits = logits_of(functional_call(model, (theta_i, frozen), (xi[None],)))
         return loss_fn(logits, None if ctx is None else ci[None])[0], logits[0]
 
     def batched_pass():
-        step = chunk_size
-        if step is None:  # the whole batch on a GPU; on a CPU 8, which stay in cache
-            step = 8 if x.device.type == "cpu" else len(x)
         ctxs = x.new_zeros(len(x), 0) if ctx is None else ctx  # vmap needs a tensor to map
         grads, logits = [], []
-        for xs, cs in zip(x.split(step), ctxs.split(step)):
+        for xs, cs in zip(x.split(chunk_size), ctxs.split(chunk_size)):
             theta = {n: p.detach().expand(len(xs), *p.shape) for n, p in params.items()}
             theta = {n: t.requires_grad_() for n, t in theta.items()}  # θ_i views: no copy
             losses, z = vmap(loss_one)(theta, xs, cs)
@@ -484,8 +483,7 @@ def private(method):
     """The DP variant of a method: whether sample i counts must not depend on sample j (and
     how many are kept is itself data), so the filter goes, with the constants only it read.
     SAR's recovery reads reset_ema, which goes with them: DP-SAT has none (the paper's)."""
-    name = "dp_" + method.name
-    return replace(method, name=name, filter=None, filter_constants={}, private=True)
+    return replace(method, name="dp_" + method.name, filter=None, filter_constants={}, private=True)
 
 
 def classes(logits, hp):
