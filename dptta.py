@@ -192,9 +192,9 @@ def adaptable_params(model, *, skip_top=False, private=True):
     per-sample gradients of DP and clip-only runs, which refuse a BatchNorm model (its train
     mode mixes the samples; bn="source" freezes it instead). A tensor tied to two modules
     (one tensor, two names) is adapted once, under its first name."""
-    bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)] + [""]
-    why = f"BatchNorm {bn[0]} mixes the samples of a batch: no per-sample gradients (dp_, clip)"
-    need(not (private and bn[0]), why + '; bn="source" freezes it at its source statistics')
+    bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]  # the model's: ""
+    why = f"BatchNorm {bn} mixes the samples of a batch: no per-sample gradients (dp_, clip)"
+    need(not (private and bn), why + '; bn="source" freezes it at its source statistics')
     cut = _trunk_cut(model) if skip_top else None
     params, seen = {}, set()
     for name, module in model.named_modules():
@@ -242,7 +242,7 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     the pass (SDPA's math kernel on CPU, nn.MultiheadAttention without its fast path,
     adaptive pooling fed a contiguous input), and vmap's per-sample fallback is made an
     error (_without_fallback)."""
-    coupled = ", ".join(n for n, m in model.named_modules() if couples_samples(m))
+    coupled = [n for n, m in model.named_modules() if couples_samples(m)]  # the model's: ""
     why = "in train mode or without running statistics couples the batch"
     need(not coupled, f"BatchNorm {coupled} {why}: no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}

@@ -289,6 +289,17 @@ def test_batchnorm_model_is_refused_for_private_adaptation():
         dptta.adaptable_params(m)
 
 
+def test_a_model_that_is_itself_a_batchnorm_is_refused_too():
+    """named_modules() names the model itself "": a BatchNorm at the root is still found."""
+    with pytest.raises(ValueError, match=r"BatchNorm \[''\] mixes"):
+        dptta.adaptable_params(nn.BatchNorm1d(4).eval())
+    bn = nn.BatchNorm1d(4).train()
+    theta = dict(bn.named_parameters())
+    with pytest.raises(ValueError, match=r"BatchNorm \[''\] in train mode"):
+        dptta.per_sample_grads(bn, theta, lambda z, c: z.sum(1), torch.randn(3, 4))
+    assert dptta.adaptable_params(nn.BatchNorm1d(4).eval(), private=False)  # not per sample
+
+
 def test_resnet_trunk_skips_layer4_like_the_originals():
     m = timm.create_model("resnet50_gn", pretrained=False)
     all_norms = dptta.adaptable_params(m)
