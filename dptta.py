@@ -235,7 +235,8 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     ordinary backward of Σ_i ℓ_i gives every g_i at once: ℓ_i is the only term that touches
     θ_i, so ∂(Σ_j ℓ_j)/∂θ_i = ∇ℓ_i exactly. Autograd then runs each backward kernel once on
     the whole batch. The batch goes through in one piece on a GPU and in chunks of 8 on a
-    CPU, where they stay in cache (ViT-S/16: 0.96x Tent's step; the whole batch, 1.42x).
+    CPU, where they stay in cache (ViT-S/16, batch 32: 1.01x Tent's step, the README's Speed
+    table; the whole batch in one piece, 1.42x).
 
     A sample's gradient must not depend on the others: a BatchNorm that normalizes with the
     batch is refused. Ops without a batching rule are swapped for exact equivalents during
@@ -1171,7 +1172,9 @@ class DPNorm(DPTTA):
         self.state[name] = averaged(self.state.get(name), s, tau2)
         a, ratio = estimated(self.state[name], len(mean))
         bn.running_mean.copy_(mean + (var + bn.eps).sqrt() * a)  # μ = μ_src + σ_src·a
-        bn.running_var.copy_((var + bn.eps) * ratio)  # σ² = σ_src²·var z, as train mode's
+        # σ² = (σ_src² + eps)·var z: train mode's batch variance, to which BatchNorm adds eps
+        # again, as train mode does (so at the source, var z = 1, it reads σ_src² + 2·eps)
+        bn.running_var.copy_((var + bn.eps) * ratio)
 
 
 # ============================================================================
