@@ -688,7 +688,9 @@ class DPTTA(nn.Module):
         name, gradient = method.name, method.step in ("plain", "sam")  # θ moves by gradient
         need(eps is None or method.private, f"eps is for dp_ methods only, not {name}")
         need(eps is not None or not method.private, f"{name} needs eps (inf: clip only)")
-        _check_privacy(eps=eps, delta=delta)
+        # σ(ε, δ), and the check of eps, delta and repeats (calibrate_sigma refuses bad ones)
+        noisy_eps = math.inf if eps is None else eps  # the originals: no noise
+        self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)
         need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
         bad_clip = f"clip must be finite and > 0 (fp32), got {clip}"
         need(clip is None or 0 < clip <= FP32_MAX, bad_clip)
@@ -697,14 +699,12 @@ class DPTTA(nn.Module):
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         need(noise_seed is None or isinstance(noise_seed, int), "noise_seed is an int or None")
         self.hp = {**method.constants, **method.filter_constants}
-        unknown = sorted(set(constants) - CONSTANTS - set(self.hp)) + [""]
-        need(not unknown[0], f"unknown constant {unknown[0]} for {name}")
+        unknown = sorted(set(constants) - CONSTANTS - set(self.hp))
+        need(not unknown, f"unknown constant {', '.join(unknown)} for {name}")
         self.hp.update((k, v) for k, v in constants.items() if k in self.hp)
         self.eps, self.delta, self.clip, self.lr = eps, delta, clip, lr
-        noisy_eps = math.inf if eps is None else eps  # the originals: no noise
-        self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)
         self.bn, self.accumulate, self.chunk_size = bn, accumulate, chunk_size
-        self.params, self.model_params = {}, {}
+        self.model_params = {}
         self.releases = 1  # per image and step (DPNorm: one per private BatchNorm layer)
         bns = [m for m in model.modules() if isinstance(m, BATCH_NORM)]
         no_stats = any(m.running_mean is None for m in bns)
@@ -715,12 +715,12 @@ class DPTTA(nn.Module):
         fisher, adapted = self.hp.get("fisher"), set(self.model_params)
         need(fisher is None or set(fisher) == adapted, "fisher needs one tensor per .params")
         self.model = model
-        if method.step != "none":  # source only predicts: it claims and switches nothing
+        if method.step != "none":  # source only predicts: it claims no parameter
             self._claim()
         # every check has passed: the model is switched now (a refusal leaves it as it was)
         model.eval().requires_grad_(False)  # eval: no dropout, nothing random
-        for n, p in self.model_params.items():  # θ: fp32 masters of bf16/fp16 parameters
-            self.params[n] = at_least_fp32(p).requires_grad_()  # (bf16 rounds an update < 2^-8)
+        # θ: fp32 masters of bf16/fp16 parameters (bf16 rounds an update < 2^-8)
+        self.params = {n: at_least_fp32(p).requires_grad_() for n, p in self.model_params.items()}
         if gradient and bn == "train":
             self.batch_statistics(bns)
         device = next(model.parameters()).device
@@ -756,9 +756,9 @@ class DPTTA(nn.Module):
     # -- one live adapter per model; copies, pickles and checkpoints -------------------------
     def _claim(self):
         """Two adapters on one model would share θ (and one's reset() resets the other)."""
-        taken = [n for n, p in self.model.named_parameters() if id(p) in _ADAPTED] + [""]
-        why = f"{taken[0]} is adapted by another live DPTTA: give each one copy.deepcopy(model)"
-        need(not taken[0], why + ", or del the other")
+        for n, p in self.model.named_parameters():
+            why = f"{n} is adapted by another live DPTTA: give each one copy.deepcopy(model)"
+            need(id(p) not in _ADAPTED, why + ", or del the other")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __getstate__(self):
@@ -785,10 +785,9 @@ class DPTTA(nn.Module):
         be shared and loaded twice without any noise drawn twice. EATA's fisher is an input,
         not a state: pass it again to the adapter that loads."""
         self.__getstate__()  # (a pending window refuses a checkpoint too)
-        state = dict(who=self._identity(), theta=(dict(self.params), self.theta0))
-        state["opt"] = None if self.opt is None else self.opt.state_dict()
-        state["shuffles"] = self.shuffle_gen.get_state()
-        return dict(state, state=self.state)
+        opt = None if self.opt is None else self.opt.state_dict()
+        checkpoint = dict(who=self._identity(), theta=(dict(self.params), self.theta0), opt=opt)
+        return dict(checkpoint, shuffles=self.shuffle_gen.get_state(), state=self.state)
 
     def set_extra_state(self, state):
         need("shuffles" in state, "a checkpoint of an older dptta, with its noise: not loaded")
@@ -818,7 +817,8 @@ class DPTTA(nn.Module):
 
     @torch.no_grad()
     def _set_theta(self, values, theta0=None):
-        """θ ← values, written into the model (rounded for a bf16 model)."""
+        """θ ← values, written into the model (rounded for a bf16 model); θ0 ← theta0 if given
+        (a checkpoint's)."""
         for n, p in self.params.items():
             p.copy_(values[n])
             self.model_params[n].copy_(p)  # p itself in an fp32 model: a no-op
@@ -881,19 +881,19 @@ class DPTTA(nn.Module):
             ctx = self.context(x)
             if self.method.step == "sam":
                 return self._sam_step(x, ctx).detach()
-            logits, g, _, self.state = self._gradient(x, ctx)
+            logits, g, _, self.state = self._gradient(x, ctx, self.params)
             if g is not None:  # None: the filter kept no sample, and there is no step
                 self._step(g)
             return logits.detach()
 
     # -- the gradient: private (per sample, clipped, noised) or plain -----------------------
-    def _gradient(self, x, ctx, shift=None, keep=None, clip=True):
-        """(logits, Δ or None, kept, the filter's new state) at θ + shift, on the samples the
-        filter keeps (and `keep` kept). Per sample (dp_, clip-only): Δ = clip_and_noise(g).
-        Plain: Δ = ∇ mean_kept ℓ_i, one batched backward."""
+    def _gradient(self, x, ctx, at, keep=None, clip=True):
+        """(logits, Δ or None, kept, the filter's new state) at the point `at` (θ itself, or
+        SAM's ascent point), on the samples the filter keeps (and `keep` kept). Per sample
+        (dp_, clip-only): Δ = clip_and_noise(g). Plain: Δ = ∇ mean_kept ℓ_i, one batched
+        backward."""
         theta = {}
-        for n, t in self.params.items():
-            t = t if shift is None else t + shift[n]
+        for n, t in at.items():
             theta[n] = t.detach().to(self.model_params[n].dtype).requires_grad_()
         if self.clip is None or not clip:
             return self._plain_gradient(theta, x, ctx, keep)
@@ -951,17 +951,17 @@ class DPTTA(nn.Module):
         private gradient per step, and the prediction is made at θ, not at the ascent."""
         keep, logits, direction = None, None, self.state.get("g_prev")
         if not self.method.private:
-            logits, direction, keep, self.state = self._gradient(x, ctx, clip=False)
+            logits, direction, keep, self.state = self._gradient(x, ctx, self.params, clip=False)
             if direction is None:
                 return logits
-        shift = None if direction is None else self._ascent(direction)
-        at_ascent, g, keep, _ = self._gradient(x, ctx, shift, keep)
+        ascent = self.params if direction is None else self._ascent(direction)
+        at_ascent, g, keep, _ = self._gradient(x, ctx, ascent, keep)
         if g is None:
             return logits
         if self.method.private:
             self.state = {**self.state, "g_prev": g}
             logits = at_ascent
-            if shift is not None:
+            if direction is not None:  # (at_ascent is at θ + ρ·Δ/‖Δ‖, not θ)
                 with torch.no_grad():
                     logits = logits_of(self.model(x))
         self._step(g)
@@ -980,9 +980,9 @@ class DPTTA(nn.Module):
             self.reset()
 
     def _ascent(self, g):
-        """SAM's perturbation ρ·g/‖g‖."""
-        norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt()
-        return {n: self.hp["rho"] * t / norm.clamp(min=1e-12) for n, t in g.items()}
+        """SAM's ascent point θ + ρ·g/‖g‖."""
+        norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt().clamp(min=1e-12)
+        return {n: p + self.hp["rho"] * g[n] / norm for n, p in self.params.items()}
 
 
 # ----------------------------------------------------------------------------
