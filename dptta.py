@@ -757,8 +757,9 @@ class DPTTA(nn.Module):
     def _claim(self):
         """Two adapters on one model would share θ (and one's reset() resets the other)."""
         for n, p in self.model.named_parameters():
-            why = f"{n} is adapted by another live DPTTA: give each one copy.deepcopy(model)"
-            need(id(p) not in _ADAPTED, why + ", or del the other")
+            # (adapter = DPTTA(model, ...) a second time builds the new one while the old lives)
+            why = f"the model (its {n}) is adapted by another live DPTTA: del that one first,"
+            need(id(p) not in _ADAPTED, why + " or give each adapter a copy.deepcopy(model)")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
     def __getstate__(self):
