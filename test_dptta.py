@@ -1595,7 +1595,7 @@ def test_adaptation_beats_the_frozen_source_on_a_shift(trained_on_gratings, meth
         return hits / len(x)
 
     kwargs = {}
-    if method.startswith("dp_"):
+    if method.startswith("dp_"):  # the secret noise: 20 draws each gained +2.05 to +3.42 points
         kwargs = dict(eps=5, clip=1.0)
     elif method in ("eata", "sar", "deyo", "deyo_come"):
         # 10 classes: with ImageNet's margins, and EATA's |cos(m, p)| < 0.05 (rare between
@@ -1641,27 +1641,30 @@ def test_an_accumulated_window_is_one_step_on_the_concatenated_batches(method):
 
 
 def test_single_images_with_accumulate_keep_the_batch_64_gain(trained_on_gratings):
-    """Batch 1 on the toy shift, ε = 5. accumulate=64: one noise draw per 64 images, the whole
-    batch-64 gain (measured: +2.3 to +3.1 points, all six dp_ methods, 100% kept). A step per
-    image instead carries √64 = 8 times the noise per update: measured −53 points."""
+    """Batch 1 on the toy shift, ε = 5. accumulate=64 is one noise draw per 64 images: with the
+    same noise (one replay seed for both), the very gain of batch 64, every dp_ method
+    (measured: +2.2 to +3.1 points). The seed is what makes it a claim: drawn apart, the two
+    gains differ by the noise's own spread (20 draws each: +2.1 to +3.4 points either way),
+    and a ratio of two independent draws failed now and then. A step per image instead
+    carries √64 = 8 times the noise per update: measured −58 points."""
     state, x, y = trained_on_gratings
 
     def gain(method, batch, **kwargs):
         m = tiny_vit(depth=2)
         m.load_state_dict(state)
-        a = dptta.DPTTA(m, method, **kwargs)
+        a = dptta.DPTTA(m, method, eps=5, clip=1.0, lr=1e-2, noise_seed=0, **kwargs)
         hits = sum((a(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum().item()
                    for i in range(0, len(x), batch))
         a.flush()
         return hits / len(x) - source
 
-    source = 0.0
-    source = gain("source", 64)  # (gain() subtracts it)
+    m = tiny_vit(depth=2)
+    m.load_state_dict(state)
+    source = (m.eval()(x).argmax(1) == y).float().mean().item()
     for method in [m for m in GRADIENT if m.startswith("dp_")]:
-        full = gain(method, 64, eps=5, clip=1.0, lr=1e-2)
-        single = gain(method, 1, eps=5, clip=1.0, lr=1e-2, accumulate=64)
-        assert full > 0.01 and single >= 0.8 * full, method
-    assert gain("dp_tent", 1, eps=5, clip=1.0, lr=1e-2) < -0.2  # accumulate=1: the drop
+        full = gain(method, 64)
+        assert full > 0.01 and gain(method, 1, accumulate=64) == full, method
+    assert gain("dp_tent", 1) < -0.2  # accumulate=1: the drop
 
 
 def test_stream_orders_are_seeded_permutations_with_the_promised_label_structure():
