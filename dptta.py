@@ -642,7 +642,8 @@ class DPTTA(nn.Module):
     method     a Method record, or its name: "source", an original ("tent", "come", "eata",
                "sar", "deyo", "deyo_come"), its DP variant "dp_<name>"; "norm" and "dp_norm"
                make a DPNorm (BatchNorm statistics, no gradient)
-    eps, delta the DP variants' (ε, δ); eps=inf: the DP recipe with no noise (clip only)
+    eps, delta the DP variants' (ε, δ); eps=inf: the DP recipe with no noise (clip only, and
+               no filter: the paper's "clip-only" is the original with a clip, filters kept)
     clip       the per-sample clip C (needed by dp_; on an original: its clip-only variant)
     lr         SGD's learning rate (momentum 0.9, as every original)
     repeats    how many steps see each privacy unit (a photo in k streams, --repeat): σ·√k
@@ -762,13 +763,16 @@ class DPTTA(nn.Module):
             need(id(p) not in _ADAPTED, why + " or give each adapter a copy.deepcopy(model)")
         _ADAPTED.update({id(p): self for p in self.model.parameters()})
 
-    def __getstate__(self):
-        """copy.deepcopy and pickle, refused with a pending accumulate window: a copy would
-        step on its images too (two releases), a pickle would write them to disk. The noise
-        stream is left out: its key regenerates every draw, past ones too, and would cancel
-        the noise of the releases."""
+    def _refuse_a_pending_window(self):
+        """Copies, pickles and checkpoints are refused with a pending accumulate window: a copy
+        would step on its images too (two releases), a pickle would write them to disk."""
         pending = f"{len(self.window)} pending accumulate batch(es) of raw test images"
         need(not self.window, f"an adapter with {pending}: flush() before copying or saving it")
+
+    def __getstate__(self):
+        """copy.deepcopy and pickle. The noise stream is left out: its key regenerates every
+        draw, past ones too, and would cancel the noise of the releases."""
+        self._refuse_a_pending_window()
         return dict(super().__getstate__(), noise=None)
 
     def __setstate__(self, state):
@@ -785,7 +789,7 @@ class DPTTA(nn.Module):
         the noise stream: the adapter that loads draws its own, so that a checkpoint can
         be shared and loaded twice without any noise drawn twice. EATA's fisher is an input,
         not a state: pass it again to the adapter that loads."""
-        self.__getstate__()  # (a pending window refuses a checkpoint too)
+        self._refuse_a_pending_window()
         opt = None if self.opt is None else self.opt.state_dict()
         checkpoint = dict(who=self._identity(), theta=(dict(self.params), self.theta0), opt=opt)
         return dict(checkpoint, shuffles=self.shuffle_gen.get_state(), state=self.state)
@@ -1181,7 +1185,6 @@ class DPNorm(DPTTA):
 # ============================================================================
 # Part II: ImageNet-C from the command line (data, the paper's values, records, main)
 import argparse
-import hashlib
 import io
 import json
 import signal
