@@ -2562,10 +2562,14 @@ def summarize(path, per_corruption=False, error=False):
     """Methods × variants of the complete runs, mean ± std over seeds; the rest apart. One
     table per setting (what the key holds but the method, its privacy and hyperparameters),
     one row per method: its non-private, clip-only and ε columns side by side."""
-    modes = ("adapt", "corruption")  # (not --benchmark's or --audit's)
-    ours = [(n, r) for n, r in read_jsonl(path, "--summarize") if r.get("mode") in modes]
-    records = [r for _, r in ours if readable(r)]
-    unreadable = [n for n, r in ours if not readable(r)]
+    records, unreadable = [], []  # the runs' records; the line numbers of those it cannot read
+    for n, r in read_jsonl(path, "--summarize"):
+        if r.get("mode") not in ("adapt", "corruption"):  # (--benchmark's or --audit's)
+            continue
+        if readable(r):
+            records.append(r)
+        else:
+            unreadable.append(n)
     if unreadable:
         why = "lacking fields or finite numbers"
         warn(f"{path}: skipped {len(unreadable)} record(s) {why} (line(s) {first_few(unreadable)})")
