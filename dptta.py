@@ -540,10 +540,23 @@ def deyo_filter(logits, ctx, state, hp, ent=tent_loss):
     return keep & (plpd(logits, ctx) > hp["plpd_threshold"]), state
 
 
-def shuffled_softmax(model, x, generator, hp):
-    """DeYO's context: the softmax of x′, the patch-shuffled images, with no gradient."""
+def shuffled_softmax(model, x, generator, hp, ent=tent_loss):
+    """DeYO's context: the softmax of x′, the patch-shuffled images, with no gradient.
+
+    DeYO's code shuffles and forwards only the samples its entropy filter keeps. Per sample
+    that is the same, but a BatchNorm that normalizes with the batch (an original's train mode)
+    sees x′'s batch: as in DeYO's code, it is then those samples alone, and the others' rows
+    are zero (the filter drops them). The DP variants forward every x′: they have no filter,
+    and refuse such a BatchNorm."""
     x_shuffled = patch_shuffle(x, hp["patch_grid"], generator)
-    return at_least_fp32(logits_of(model(x_shuffled))).softmax(-1)
+    if not any(couples_samples(m) for m in model.modules()):
+        return at_least_fp32(logits_of(model(x_shuffled))).softmax(-1)
+    logits = at_least_fp32(logits_of(model(x)))  # the step's own forward: θ has not moved
+    kept = reliable(ent(logits, None, hp), logits, hp, "deyo_margin")
+    probs = torch.zeros_like(logits)
+    if kept.any():
+        probs[kept] = at_least_fp32(logits_of(model(x_shuffled[kept]))).softmax(-1)
+    return probs
 
 
 def fisher_penalty(theta, theta0, hp):
@@ -614,6 +627,7 @@ DEYO_COME = replace(
     name="deyo_come",
     loss=partial(weighted_loss, ent=come_loss),
     filter=partial(deyo_filter, ent=come_loss),
+    context=partial(shuffled_softmax, ent=come_loss),
 )
 # norm: BatchNorm layers normalize with the test batch (Schneider et al. 2020); dp_norm releases
 # those statistics privately instead (DPNorm, after DPTTA)

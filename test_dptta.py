@@ -1,5 +1,6 @@
 """Tests for dptta.py: every claim against an independent oracle (closed form,
 high-precision arithmetic, a plain per-sample loop, Monte Carlo, the paper)."""
+import concurrent.futures
 import contextlib
 import copy
 import fcntl
@@ -1549,6 +1550,49 @@ def test_tent_on_batchnorm_equals_a_hand_written_tent_step():
         dptta.DPTTA(tiny_bn_cnn(), "tent", clip=1.0, lr=lr)  # clip-only is per-sample: refused too
 
 
+@pytest.mark.parametrize("method", ["deyo", "deyo_come"])
+def test_deyo_on_batchnorm_forwards_the_shuffles_of_its_reliable_samples_only(method):
+    """DeYO's code (methods/deyo.py) filters on entropy, then shuffles and forwards x′ of the
+    samples kept, so that BatchNorm in train mode normalizes x′ with their statistics alone;
+    then PLPD > τ, and the mean of (exp(E0 − H) + exp(PLPD))·H over both filters' survivors.
+    Written out here as DeYO writes it, with the adapter's permutations."""
+    m, lr, margin, tau = tiny_bn_cnn(), 0.05, 0.2, 0.0
+    with torch.no_grad():
+        m[-1].weight.mul_(30)  # entropies spread across the margin: the filter keeps some
+    ref = copy.deepcopy(m).train().requires_grad_(False)
+    bn = [p for i in (1, 4) for p in (ref[i].weight, ref[i].bias)]
+    for p in bn:
+        p.requires_grad_(True)
+    opt = torch.optim.SGD(bn, lr=lr, momentum=0.9)
+    a = dptta.DPTTA(m, method, lr=lr, deyo_margin=margin, plpd_threshold=tau)
+    shuffles = torch.Generator().manual_seed(0)  # the adapter's: seed=0
+    ent = dptta.entropy if method == "deyo" else dptta.come_entropy
+    kept_counts = []
+    for seed in (1, 2):  # two steps: momentum too
+        x = images(24, seed, torch.float64)
+        z = ref(x)
+        H = ent(z)
+        first = H < margin * math.log(K)
+        x_prime = dptta.patch_shuffle(x, 4, shuffles)[first]  # x′ of the reliable ones only
+        with torch.no_grad():
+            p_prime = ref(x_prime).softmax(1)
+        p = z[first].softmax(1)
+        y = p.argmax(1, keepdim=True)
+        plpd = (p.gather(1, y) - p_prime.gather(1, y)).squeeze(1)
+        second = plpd > tau
+        h, plpd = H[first][second], plpd[second].detach()
+        weight = torch.exp(0.4 * math.log(K) - h.detach()) + torch.exp(plpd)
+        kept_counts.append((int(first.sum()), int(second.sum())))
+        opt.zero_grad()
+        (weight * h).mean().backward()
+        opt.step()
+        torch.testing.assert_close(a(x), z.detach(), rtol=1e-10, atol=1e-12)
+        want = dict(ref.named_parameters())
+        for n, q in a.params.items():
+            torch.testing.assert_close(q.detach(), want[n].detach(), rtol=1e-10, atol=1e-12)
+    assert all(0 < second < first < 24 for first, second in kept_counts), kept_counts
+
+
 # ----------------------------------------------------------------------------
 # End to end: adaptation helps on a learnable toy shift
 
@@ -3039,13 +3083,23 @@ def grid(*args, **env):
                           env=dict(os.environ, **{"PYTHON": sys.executable, **env}))
 
 
+def grids(*calls):
+    """Several grid runs at once, each call an (args, env) pair: their results, in order."""
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+        return list(pool.map(lambda call: grid(*call[0], **call[1]), calls))
+
+
 PY = subprocess.run(["bash", "-c", 'printf %q "$0"', sys.executable], capture_output=True,
                     text=True).stdout  # the interpreter as the grid prints it
 
 
 def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
-    r = grid("--dry-run", SEEDS="0 1", SETTINGS="continual episodic", OUT="r s.jsonl",
-             EXTRA="--limit 9")
+    r, tune, sar = grids(
+        (("--dry-run",), dict(SEEDS="0 1", SETTINGS="continual episodic", OUT="r s.jsonl",
+                              EXTRA="--limit 9")),
+        (("tune", "--dry-run"), dict(SEEDS="0", SETTINGS="continual")),
+        (("--dry-run",), dict(SEEDS="0", SETTINGS="continual", METHODS="sar", VARIANTS="dp",
+                              EPSILONS="5 1")))
     assert r.returncode == 0, r.stderr
     lines = [line.replace(PY, "python3", 1) for line in r.stdout.splitlines()
              if line.startswith(f"{PY} dptta.py")]
@@ -3059,43 +3113,48 @@ def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
             + tail) in lines
     assert not any("dp_sar" in line and "--hp" in line for line in lines)  # DP: no filters
     assert not any("--noise-seed" in line for line in lines)  # the grid's noise is secret
-    r = grid("tune", "--dry-run", SEEDS="0", SETTINGS="continual")
-    assert "# 1485 cells (tune)" in r.stdout  # 5 methods x (5 ε x 5 C + 8 clip-only C) x 9 lr
+    assert "# 1485 cells (tune)" in tune.stdout  # 5 methods x (5 ε x 5 C + 8 clip-only C) x 9 lr
     for paper_choice in ("--method deyo --hp plpd_threshold=0.3 --clip 35 --lr 0.005 ",
                          "--method dp_sar --eps 20 --clip 10 --lr 0.001 "):
-        assert paper_choice in r.stdout  # the tune stage can choose what the paper chose
-    assert "speckle_noise,gaussian_blur,spatter,saturate" in r.stdout
-    r = grid("--dry-run", SEEDS="0", SETTINGS="continual", METHODS="sar", VARIANTS="dp",
-             EPSILONS="5 1")
-    assert r.stdout.count(f"{PY} dptta.py --method dp_sar") == 2 and "# 2 cells" in r.stdout
+        assert paper_choice in tune.stdout  # the tune stage can choose what the paper chose
+    assert "speckle_noise,gaussian_blur,spatter,saturate" in tune.stdout
+    assert sar.stdout.count(f"{PY} dptta.py --method dp_sar") == 2 and "# 2 cells" in sar.stdout
 
 
 def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
     (tmp_path / "python3").write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
     (tmp_path / "python3").chmod(0o755)
-    r = grid("--count", PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHON="python3")
-    assert r.returncode == 1 and "could not list the grid" in r.stderr and r.stdout == ""
-    r = grid("--dry-run", METHODS="tent", VARIANTS="dp", EPSILONS="")
-    assert r.returncode == 2 and "empty" in r.stderr
-    for bad in (dict(METHODS="tentt"), dict(VARIANTS="none"), dict(EPSILONS="3"),
-                dict(SEEDS="-1"), dict(SETTINGS="wild"), dict(EXTRA='--data "/a b"'),
-                dict(METHODS="tent tent"), dict(SEEDS="0 0"), dict(METHODS=""),
-                dict(EPSILONS="e-5", STAGE_ARG="tune")):
-        r = grid("--count", *[bad.pop("STAGE_ARG")] if "STAGE_ARG" in bad else [], **bad)
-        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and not r.stdout, bad
-    for args, message in ((("tune", "bn"), "one stage, not tune and bn"),
-                          (("bn", "--tuned"), "--tuned is for the main grid")):
-        r = grid(*args, "--count")
-        assert r.returncode == 2 and message in r.stderr and not r.stdout, args
-    r = grid(IMAGENET_C=str(tmp_path / "missing"), METHODS="source", SEEDS="0")
-    assert r.returncode == 2 and "is not a folder" in r.stderr and "cells" not in r.stdout
     smoke = f"--synthetic 2 --model {CLI_MODEL}"
-    for extra, message in ((smoke + " --seed 3", "EXTRA sets --seed, which the grid sets"),
-                           (smoke + " --delta 1e-5", "--delta applies to a dp_ method")):
-        # every cell checked as dptta.py checks it, before the first: not 66 failing cells
-        r = grid(METHODS="tent", VARIANTS="plain dp", EPSILONS="5", SEEDS="0",
-                 SETTINGS="continual", EXTRA=extra, OUT=str(tmp_path / "g.jsonl"))
+    one_cell = dict(METHODS="tent", VARIANTS="plain dp", EPSILONS="5", SEEDS="0",
+                    SETTINGS="continual", OUT=str(tmp_path / "g.jsonl"))
+    # (args, env, what stderr says): each refused in one line with exit 2, before any cell
+    refused = [((), dict(METHODS="tentt"), ""), ((), dict(VARIANTS="none"), ""),
+               ((), dict(EPSILONS="3"), ""), ((), dict(SEEDS="-1"), ""),
+               ((), dict(SETTINGS="wild"), ""), ((), dict(EXTRA='--data "/a b"'), ""),
+               ((), dict(METHODS="tent tent"), ""), ((), dict(SEEDS="0 0"), ""),
+               ((), dict(METHODS=""), ""), (("tune",), dict(EPSILONS="e-5"), ""),
+               (("tune", "bn"), {}, "one stage, not tune and bn"),
+               (("bn", "--tuned"), {}, "--tuned is for the main grid")]
+    # every cell checked as dptta.py checks it, before the first: not 66 failing cells
+    checked = [((), dict(one_cell, EXTRA=f"{smoke} --seed 3"), "EXTRA sets --seed, which the grid"),
+               ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_")]
+    others = [(("--count",), dict(PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHON="python3"), ()),
+              (("--dry-run",), dict(METHODS="tent", VARIANTS="dp", EPSILONS=""), ()),
+              ((), dict(IMAGENET_C=str(tmp_path / "missing"), METHODS="source", SEEDS="0"), ())]
+    calls = [(("--count", *args), env) for args, env, _ in refused]
+    calls += [(args, env) for args, env, _ in checked + others]
+    results = grids(*calls)  # independent runs, each seconds of importing torch: at once
+    for (args, env, message), r in zip(refused, results):
+        assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and not r.stdout, (args, env)
+        assert message in r.stderr, (args, r.stderr)
+    for (args, env, message), r in zip(checked, results[len(refused):]):
         assert r.returncode == 2 and message in r.stderr and "cells" not in r.stdout, r.stderr
+    cannot_list, empty, missing = results[len(refused) + len(checked):]
+    assert cannot_list.returncode == 1 and "could not list the grid" in cannot_list.stderr
+    assert cannot_list.stdout == ""
+    assert empty.returncode == 2 and "empty" in empty.stderr
+    assert missing.returncode == 2 and "is not a folder" in missing.stderr
+    assert "cells" not in missing.stdout
 
 
 def test_the_tune_stage_chooses_on_the_held_out_corruptions_only(tmp_path):
@@ -3124,16 +3183,19 @@ def test_a_tuned_grid_takes_every_c_and_lr_from_the_tune_stage_or_refuses(tmp_pa
     env = dict(METHODS="tent", VARIANTS="clip dp", EPSILONS="5 2", SEEDS="0", SETTINGS="continual",
                TUNED=str(tuned))
     tuned.write_text(json.dumps({"continual/tent/clip-only": [7, 0.25], "continual/tent/5": [3, 0.5]}))
-    r = grid("--tuned", "--dry-run", **env)
+    damaged = ("{", "[1, 2]", '{"continual/tent/5": 3}')
+    for i, text in enumerate(damaged):
+        (tmp_path / f"damaged{i}.json").write_text(text)
+    r, only_5, *refused = grids(
+        (("--tuned", "--dry-run"), env), (("--tuned", "--dry-run"), dict(env, EPSILONS="5")),
+        *[(("--tuned", "--dry-run"), dict(env, TUNED=str(tmp_path / f"damaged{i}.json")))
+          for i in range(len(damaged))])
     assert r.returncode == 2 and "has no C and lr for continual/tent/2" in r.stderr, r.stderr
     assert len(r.stderr.splitlines()) == 1 and "dptta.py" not in r.stdout
-    r = grid("--tuned", "--dry-run", **dict(env, EPSILONS="5"))
-    assert r.returncode == 0 and "# 2 cells" in r.stdout, r.stderr
-    assert "--method tent --clip 7 --lr 0.25 " in r.stdout
-    assert "--method dp_tent --eps 5 --clip 3 --lr 0.5 " in r.stdout
-    for text in ("{", "[1, 2]", '{"continual/tent/5": 3}'):
-        tuned.write_text(text)
-        r = grid("--tuned", "--dry-run", **env)
+    assert only_5.returncode == 0 and "# 2 cells" in only_5.stdout, only_5.stderr
+    assert "--method tent --clip 7 --lr 0.25 " in only_5.stdout
+    assert "--method dp_tent --eps 5 --clip 3 --lr 0.5 " in only_5.stdout
+    for text, r in zip(damaged, refused):
         assert r.returncode == 2 and "is not the tune stage's JSON" in r.stderr, (text, r.stderr)
 
 
@@ -3185,11 +3247,12 @@ def test_the_grid_reads_cuda_visible_devices_as_cuda_does(tmp_path):
     never falls back to nvidia-smi's list, which would hand the cells GPUs the job was not
     given."""
     env = recording_python(tmp_path)
-    for value, workers in (("2,3", "2 worker(s) (2 GPU(s))"), ("0,,1", "1 worker(s) (1 GPU(s))"),
-                           ("-1", "1 worker(s) (no GPU: CPU)"), ("", "1 worker(s) (no GPU: CPU)"),
-                           ("NoDevFiles", "1 worker(s) (no GPU: CPU)"),
-                           ("GPU-5f1c,MIG-7,1", "3 worker(s) (3 GPU(s))")):
-        r = grid("--dry-run", **env, CUDA_VISIBLE_DEVICES=value)
+    seen = (("2,3", "2 worker(s) (2 GPU(s))"), ("0,,1", "1 worker(s) (1 GPU(s))"),
+            ("-1", "1 worker(s) (no GPU: CPU)"), ("", "1 worker(s) (no GPU: CPU)"),
+            ("NoDevFiles", "1 worker(s) (no GPU: CPU)"),
+            ("GPU-5f1c,MIG-7,1", "3 worker(s) (3 GPU(s))"))
+    results = grids(*[(("--dry-run",), dict(env, CUDA_VISIBLE_DEVICES=value)) for value, _ in seen])
+    for (value, workers), r in zip(seen, results):
         assert r.returncode == 0 and f"# 3 cells (main) on {workers}" in r.stdout, (value, r.stdout)
     r = grid(**env, CUDA_VISIBLE_DEVICES="2,,1")  # what each cell is given
     assert r.returncode == 0 and set((tmp_path / "gpus").read_text().split()) == {"2"}, r.stderr
@@ -3199,8 +3262,9 @@ def test_the_grid_refuses_a_slurm_task_or_folder_it_cannot_run(tmp_path):
     """An array task beyond the grid would run dptta.py with no cell (its defaults); a
     submit folder without dptta.py would end in a traceback. Each is one line, exit 2."""
     env = recording_python(tmp_path)
-    for task in ("3", "x"):
-        r = grid("--dry-run", **env, SLURM_ARRAY_TASK_ID=task)
+    tasks = ("3", "x")
+    results = grids(*[(("--dry-run",), dict(env, SLURM_ARRAY_TASK_ID=task)) for task in tasks])
+    for task, r in zip(tasks, results):
         assert r.returncode == 2 and "names no cell: 0 to 2" in r.stderr, (task, r.stderr)
     r = grid(**env, SLURM_ARRAY_TASK_ID="2")
     assert r.returncode == 0 and (tmp_path / "gpus").exists(), r.stderr
