@@ -320,6 +320,9 @@ class NoiseStream:
     (key, k): the runner saves it to replay a killed stream. A stream is never copied or
     pickled (a copy would draw the same noise twice).
 
+    A forked process would inherit the key and the count, and draw its parent's noise: a
+    stream draws only in the process that keyed it.
+
     seed: an exact replay for tests and debugging, NOT private against anyone who knows it."""
 
     def __init__(self, seed=None):
@@ -327,10 +330,13 @@ class NoiseStream:
             self.key = os.urandom(32)
         else:
             self.key = hashlib.sha256(b"dptta noise seed %d" % seed).digest()
-        self.blocks = 0
+        self.blocks, self.pid = 0, os.getpid()
 
     def normal(self, n, device="cpu", dtype=torch.float32):
         """The next block: n draws of N(0, 1), by Box-Muller on 53-bit uniforms in float64."""
+        if os.getpid() != self.pid:
+            forked = "a NoiseStream in a forked process would draw its parent's noise"
+            raise RuntimeError(forked + ": build the adapter, or copy.deepcopy it, in the child")
         pairs = (n + 1) // 2
         block = hashlib.shake_256(self.key + self.blocks.to_bytes(8, "little"))
         self.blocks += 1
@@ -883,7 +889,7 @@ class DPTTA(nn.Module):
         need(same, f"a batch of {tuple(x.shape[1:])} {x.dtype} in a window of other images")
         with torch.no_grad():
             logits = logits_of(self.model(x))
-        self.window.append(x)
+        self.window.append(x.detach().clone())  # a caller may write its next batch into x
         if len(self.window) == self.accumulate:
             self.flush()
         return logits

@@ -105,9 +105,6 @@ def is_number(v):
 
 
 for name, values in env.items():  # one line and exit 2, before any cell
-    if len(set(values)) < len(values):  # a cell twice: two runs releasing the same images
-        print(f"run_imagenet_c.sh: {name} repeats a value: {' '.join(values)}", file=sys.stderr)
-        sys.exit(2)
     for v in values:
         if name == "EPSILONS" and not is_number(v):
             print(f"run_imagenet_c.sh: EPSILONS={v!r} is not a number > 0", file=sys.stderr)
@@ -117,6 +114,12 @@ for name, values in env.items():  # one line and exit 2, before any cell
             print(f"run_imagenet_c.sh: {name}={v!r} is not one of "
                   f"{' '.join(allowed.get(name, ['0', '1', '...']))}", file=sys.stderr)
             sys.exit(2)
+    # a cell twice (seed 0 and 00, ε 5 and 5.0 are one run): two runs releasing the same images
+    numbers = name in ("SEEDS", "EPSILONS")
+    distinct = {float(v) for v in values} if numbers else set(values)
+    if len(distinct) < len(values):
+        print(f"run_imagenet_c.sh: {name} repeats a value: {' '.join(values)}", file=sys.stderr)
+        sys.exit(2)
 methods = [m for m in env["METHODS"] if m != "source"]
 
 

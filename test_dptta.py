@@ -987,6 +987,28 @@ def test_the_noise_is_a_keyed_cryptographic_stream():
     assert stats.kstest(np.abs(z), "norm").pvalue < 1e-10  # (it can: |z| is not N(0, 1))
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this system")
+def test_a_forked_process_never_draws_its_parents_noise():
+    """fork() copies the key and the count: a child (a multiprocessing worker, a pool started
+    after the adapter) would draw its parent's very noise, which cancels in the difference of
+    their releases. The child's draw is refused; a copy made in the child has its own key."""
+    a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1)
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the draw is refused and a copy draws its own
+        code = 1
+        try:
+            a.noise.normal(4)
+        except RuntimeError as e:
+            mine = copy.deepcopy(a).noise
+            refused, own = "forked" in str(e), mine.key != a.noise.key
+            if refused and own and mine.normal(4).shape == (4,):
+                code = 0
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert a.noise.normal(4).shape == (4,)  # the parent draws as before
+
+
 def test_the_replay_seam_never_serves_one_batch_for_another():
     """adapter.replay keeps each batch's per-sample pass for the audit's trials. A batch written
     in place (the same tensor, the same address, other images) is another batch: its step is
@@ -1682,6 +1704,24 @@ def test_an_accumulated_window_is_one_step_on_the_concatenated_batches(method):
     a(x[0])
     a.reset()
     assert not a.window
+
+
+def test_a_window_holds_its_images_even_when_the_caller_reuses_one_buffer():
+    """A camera loop or a static loader writes each batch into one tensor. The window must hold
+    the images that came, not k views of the last one (its images in one step k times: a
+    sensitivity of 2kC, under a ledger that counts 2C)."""
+    x = [images(4, s) for s in range(3)]
+    fresh = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1, accumulate=3, noise_seed=0)
+    reused = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1, accumulate=3, noise_seed=0)
+    buffer = torch.empty_like(x[0])
+    for xb in x:
+        fresh(xb.clone())
+        buffer.copy_(xb)
+        reused(buffer)
+    assert not reused.window  # the step was taken: on the three batches, as fresh's was
+    for n in fresh.params:
+        assert torch.equal(fresh.params[n], reused.params[n]), n
+    assert not torch.equal(fresh.params[n], fresh.theta0[n])  # (it moved)
 
 
 def test_single_images_with_accumulate_keep_the_batch_64_gain(trained_on_gratings):
@@ -3133,6 +3173,7 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
                ((), dict(SETTINGS="wild"), ""), ((), dict(EXTRA='--data "/a b"'), ""),
                ((), dict(METHODS="tent tent"), ""), ((), dict(SEEDS="0 0"), ""),
                ((), dict(METHODS=""), ""), (("tune",), dict(EPSILONS="e-5"), ""),
+               ((), dict(SEEDS="0 00"), "repeats"), (("tune",), dict(EPSILONS="5 5.0"), "repeats"),
                (("tune", "bn"), {}, "one stage, not tune and bn"),
                (("bn", "--tuned"), {}, "--tuned is for the main grid")]
     # every cell checked as dptta.py checks it, before the first: not 66 failing cells
