@@ -549,11 +549,11 @@ def deyo_filter(logits, ctx, state, hp, ent=tent_loss):
 def shuffled_softmax(model, x, generator, hp, ent=tent_loss):
     """DeYO's context: the softmax of x′, the patch-shuffled images, with no gradient.
 
-    DeYO's code shuffles and forwards only the samples its entropy filter keeps. Per sample
-    that is the same, but a BatchNorm that normalizes with the batch (an original's train mode)
-    sees x′'s batch: as in DeYO's code, it is then those samples alone, and the others' rows
-    are zero (the filter drops them). The DP variants forward every x′: they have no filter,
-    and refuse such a BatchNorm."""
+    DeYO's code shuffles and forwards only the samples its entropy filter keeps. Where each
+    sample goes through the model alone, that equals forwarding every x′. A BatchNorm that
+    normalizes with the batch (an original's train mode) sees x′'s batch, though: as in DeYO's
+    code, it is then the kept samples' alone, and the others' rows are zero (the filter drops
+    them). The DP variants forward every x′: they have no filter, and refuse such a BatchNorm."""
     x_shuffled = patch_shuffle(x, hp["patch_grid"], generator)
     if not any(couples_samples(m) for m in model.modules()):
         return at_least_fp32(logits_of(model(x_shuffled))).softmax(-1)
