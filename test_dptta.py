@@ -3481,6 +3481,27 @@ def test_summarize_skips_and_names_records_it_cannot_read(tmp_path, capsys):
     assert rows[-2:] == ["tent", "my_loss"]
 
 
+def test_summarize_gives_cells_that_differ_in_any_flag_a_row_each(tmp_path, capsys):
+    """Cells of one method and variant (a tuning grid, EATA with and without its Fisher data,
+    another δ or window) are rows named by what tells them apart: none is written over."""
+    runs = [fake_run("eata", 0, 60.0, clip=1.0), fake_run("eata", 0, 61.0, clip=1.0),
+            fake_run("dp_tent", 0, 50.0, eps=5.0, clip=1.0),
+            fake_run("dp_tent", 0, 51.0, eps=5.0, clip=1.0),
+            fake_run("dp_tent", 0, 52.0, eps=5.0, clip=1.0),
+            fake_run("dp_tent", 0, 53.0, eps=5.0, clip=2.0)]
+    runs[1]["key"]["fisher_data"] = "/clean"
+    runs[3]["key"]["delta"] = 1e-9
+    runs[4]["key"]["accumulate"] = 3
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in runs))
+    assert dptta.main(["--summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| mean top-1 %") == 1
+    for mean in (60, 61, 50, 51, 52, 53):
+        assert f"{mean:.1f} (n=1)" in out, (mean, out)
+    assert 'fisher_data="/clean"' in out and "delta=1e-09" in out and "clip=2.0" in out
+
+
 def test_summarize_puts_a_methods_variants_on_one_row_of_one_table(tmp_path, capsys):
     """Non-private (δ None), clip-only and ε columns differ in δ, hp and accumulate: one
     setting is still one table, one method one row."""
