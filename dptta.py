@@ -1443,8 +1443,12 @@ def check_public(fisher_set, streams, used):
 
 
 def file_digest(path):
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).digest()
+    """SHA-256 of a file's bytes; one that cannot be read is one line before the first image."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
+    except OSError as e:
+        fail(f"--fisher-data: cannot compare {path} with the stream's files: {one_line(e)}")
 
 
 # ----------------------------------------------------------------------------
@@ -1893,13 +1897,13 @@ def run_key(args):
     if args.synthetic:
         key["weights"], key["data"] = "random", f"synthetic:{args.synthetic}"
     else:
-        key["weights"], key["data"] = "pretrained", os.path.abspath(args.data)
+        key["weights"], key["data"] = "pretrained", os.path.realpath(args.data)
     if args.checkpoint:
         st = os.stat(args.checkpoint)
         key["weights"] = dict(
-            checkpoint=os.path.abspath(args.checkpoint), bytes=st.st_size, mtime=int(st.st_mtime)
+            checkpoint=os.path.realpath(args.checkpoint), bytes=st.st_size, mtime=int(st.st_mtime)
         )
-    key["fisher_data"] = None if args.fisher_data is None else os.path.abspath(args.fisher_data)
+    key["fisher_data"] = None if args.fisher_data is None else os.path.realpath(args.fisher_data)
     return json.loads(json.dumps(jsonable(key)))  # as it reads back: lists, not tuples
 
 
@@ -2251,7 +2255,8 @@ def main(argv=None):
         fail(
             f"--resume: {args.out} holds corruption records of this run but not its state ({state}): it cannot go on without releasing their images again; {NEW_RUN}"
         )
-    handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    # (SIGHUP: a dropped ssh session)
+    handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     STOP.clear()
     try:
         with contextlib.ExitStack() as cleanup:  # the smoke run's tree goes on every exit path

@@ -2923,6 +2923,12 @@ def test_resume_key_covers_the_weights(tree, tmp_path):
     assert r.returncode == 0 and "already in" not in r.stdout  # other weights: a new run
     r, _ = adapt(tree, out, "--method", "source", "--resume", "--seed", "1")
     assert "already in" not in r.stdout
+    link = tmp_path / "link"  # the same folder and weights by another path: the same run
+    link.symlink_to(root)
+    r = run_main("--data", link, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL,
+                 "--checkpoint", ckpt, "--batch-size", 4, "--workers", 0, "--out", out,
+                 "--method", "source", "--resume")
+    assert r.returncode == 0 and "already in" in r.stdout, r.stdout
 
 
 def test_offline_weights_fail_fast_naming_the_file_and_the_switch(tree, tmp_path):
@@ -3394,7 +3400,8 @@ def test_sigterm_stops_the_grid_and_every_worker(tmp_path):
     assert not os.path.exists(marker) or not any(x["mode"] == "adapt" for x in records(marker))
 
 
-def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGHUP])  # Ctrl-C; a dropped ssh session
+def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path, stop):
     out = tmp_path / "r.jsonl"
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "dptta.py"), "--synthetic", "400",
                           "--model", CLI_MODEL, "--workers", "2", "--batch-size", "8",
@@ -3404,11 +3411,11 @@ def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path):
     assert "dptta |" in p.stdout.readline()
     assert wait_until(lambda: list(tmp_path.glob("dptta-synthetic-*")), 30)
     p.stdout.readline()  # streaming
-    p.send_signal(signal.SIGINT)
-    assert p.wait(timeout=60) == 130
+    p.send_signal(stop)
+    assert p.wait(timeout=60) == 128 + stop
     err = p.stderr.read()
     states = list(tmp_path.glob("r.jsonl.*.pt"))  # (none if stopped before its first save)
-    assert "stopped by SIGINT" in err and ("(--resume goes on)" in err) == bool(states), err
+    assert f"stopped by {stop.name}" in err and ("(--resume goes on)" in err) == bool(states), err
     assert out.exists() or "no corruption finished" in err  # (not "... are in r.jsonl")
     assert not list(tmp_path.glob("dptta-synthetic-*"))
     assert not out.exists() or not any(x["mode"] == "adapt" for x in records(out))
