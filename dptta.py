@@ -2654,10 +2654,10 @@ def print_table(k, cells, error):
         # cells of one method and variant (a tuning grid; EATA with and without its Fisher data;
         # two δ): a row each, named by what tells them apart, never one written over another
         twins = [e[0] for e in entries if e[1] == variant and e[0]["method"] == key["method"]]
-        for field in PER_CELL:
-            values = {json.dumps(twin.get(field), sort_keys=True) for twin in twins}
-            if field not in ("method", "eps", "seed") and len(values) > 1:
-                label += f" {field}={json.dumps(key.get(field), sort_keys=True)}"
+        for flag in PER_CELL:
+            values = {json.dumps(twin.get(flag), sort_keys=True) for twin in twins}
+            if flag not in ("method", "eps", "seed") and len(values) > 1:
+                label += f" {flag}={json.dumps(key.get(flag), sort_keys=True)}"
         rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
     order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in TUNED_EPS]
     present = {variant for _, variant, _ in entries}
