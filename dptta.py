@@ -1391,8 +1391,21 @@ def image_stream(
         perm = torch.as_tensor([i for slot in slots for i in rng.permutation(slot)], dtype=int)
     subset = Subset(dataset, perm.tolist())
     return DataLoader(
-        subset, batch_size, num_workers=workers, collate_fn=collate_skipping, pin_memory=pin_memory
+        subset,
+        batch_size,
+        num_workers=workers,
+        collate_fn=collate_skipping,
+        pin_memory=pin_memory,
+        worker_init_fn=leave_stops_to_the_run,
     )
+
+
+def leave_stops_to_the_run(worker_id):
+    """A loader worker ignores SIGTERM and SIGHUP (as it ignores SIGINT): sent to the whole
+    process group (scancel, timeout, a closed terminal), they would kill it mid-batch, and the
+    run would end in a traceback instead of stopping. The run stops, and its workers with it."""
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):

@@ -3421,6 +3421,51 @@ def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path, stop)
     assert not out.exists() or not any(x["mode"] == "adapt" for x in records(out))
 
 
+class SlowImages(torch.utils.data.Dataset):
+    """64 blank images, each a little slow to load: a loader's workers are still at work."""
+
+    targets = [0] * 64
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        return torch.zeros(3, 4, 4), 0
+
+
+def test_the_loaders_workers_leave_a_groups_sigterm_to_the_run():
+    """scancel, timeout and a container's stop signal the whole process group, the loader's
+    workers too. A worker killed mid-stream ends the run in a traceback (its RuntimeError), not
+    a stop: the workers ignore SIGTERM and SIGHUP, and the batches come until the run stops."""
+    batches = iter(dptta.image_stream(SlowImages(), 4, seed=0, workers=2))
+    next(batches)
+    for worker, s in zip(batches._workers, (signal.SIGTERM, signal.SIGHUP)):
+        os.kill(worker.pid, s)
+    time.sleep(0.5)
+    assert len(list(batches)) == 15
+
+
+def test_sigterm_to_the_process_group_stops_a_run_and_its_workers(tmp_path):
+    """The whole group signalled, as scancel does: the workers ignore it, the run stops (exit
+    143, one line) and its workers end with it; none is left, and the run does not hang."""
+    out = tmp_path / "r.jsonl"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "dptta.py"), "--synthetic", "400",
+                          "--model", CLI_MODEL, "--workers", "2", "--batch-size", "8",
+                          "--log-every", "1", "--out", str(out)],
+                         env=dict(os.environ, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert "dptta |" in p.stdout.readline()
+    assert wait_until(lambda: list(tmp_path.glob("dptta-synthetic-*")), 30)
+    p.stdout.readline()  # streaming: the workers are loading
+    os.killpg(p.pid, signal.SIGTERM)
+    assert p.wait(timeout=60) == 143
+    err = p.stderr.read()
+    assert "stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert wait_until(lambda: not processes_with(str(out)), 30), "a loader worker survived"
+    assert not list(tmp_path.glob("dptta-synthetic-*"))
+
+
 # ============================================================================
 # Appendix: tools
 
