@@ -2304,9 +2304,9 @@ def main(argv=None):
             signal.signal(s, h)
 
 
-def open_run(args):
-    """Every input opened and checked before the first image: (streams, every folder read,
-    Fisher loader, model, its data config, the scored classes' lookup)."""
+def open_inputs(args):
+    """The run's folders, listed and checked before the first image (the grid's preflight
+    opens every cell's): (streams, every folder read, Fisher loader)."""
     streams = open_streams(args.corruptions, args.data, args.severity)
     folders = dict(streams)  # every folder the run reads: its transform, its fingerprint
     fisher_loader = None
@@ -2321,6 +2321,13 @@ def open_run(args):
             warn(
                 "--fisher-data under --privacy-unit photo: its images must not be photos the streams are made of (ImageNet-C's come from ImageNet val)"
             )
+    return streams, folders, fisher_loader
+
+
+def open_run(args):
+    """Every input opened and checked before the first image: (streams, every folder read,
+    Fisher loader, model, its data config, the scored classes' lookup)."""
+    streams, folders, fisher_loader = open_inputs(args)
     model = build_model(args.model, args.checkpoint, bool(args.synthetic), args.seed)
     config = timm.data.resolve_data_config({}, model=model)
     transform = timm.data.create_transform(**config)

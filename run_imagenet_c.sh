@@ -253,9 +253,17 @@ for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks
     with contextlib.redirect_stdout(io.StringIO()):
         cells.append(dptta.check_args(dptta.parse_args(argv)))
 args = cells[0]  # (check_args has checked the data root and filled in each cell's model)
-if not args.synthetic and not args.checkpoint:  # fetched once each, or one line and exit 2
-    for model in sorted({cell.model for cell in cells}):
-        dptta.build_model(model)
+if not args.synthetic:  # each model's weights, then each cell's folders and Fisher images
+    for model, checkpoint in sorted({(cell.model, cell.checkpoint or "") for cell in cells}):
+        dptta.build_model(model, checkpoint or None)  # fetched or loaded once, or one line
+    opened = set()
+    for cell in cells:
+        fisher_seed = cell.seed if cell.fisher_data else None  # (its Fisher images: its seed's)
+        inputs = (cell.data, tuple(cell.corruptions), cell.severity, cell.fisher_data, fisher_seed)
+        if inputs not in opened:
+            opened.add(inputs)
+            with contextlib.redirect_stdout(io.StringIO()):
+                dptta.open_inputs(cell)
 PY
 
 # shellcheck disable=SC2086

@@ -3361,6 +3361,25 @@ def test_the_grids_bn_stage_checks_the_weights_its_cells_use(tmp_path):
     assert "resnet50.tv_in1k" in r.stderr and "vit_base" not in r.stderr
 
 
+def test_the_grid_opens_every_cells_folders_before_the_first(tree, tmp_path):
+    """A corruption folder missing, or Fisher images that are the stream's, stop the grid
+    before its first cell (exit 2, one line), not hours in when that cell's turn comes."""
+    root, ckpt = tree
+    fisher = tmp_path / "fisher"
+    shutil.copytree(root / "gaussian_noise" / "5", fisher)  # a copy of the test stream
+    common = dict(IMAGENET_C=str(root), METHODS="tent eata", VARIANTS="plain", SEEDS="0",
+                  SETTINGS="continual", OUT=str(tmp_path / "g.jsonl"))
+    flags = f"--model {CLI_MODEL} --checkpoint {ckpt} --workers 0 --batch-size 4"
+    missing, copied = grids(
+        ((), dict(common, METHODS="tent", EXTRA=f"{flags} --corruptions gaussian_noise,fog")),
+        ((), dict(common, EXTRA=f"{flags} --corruptions gaussian_noise --fisher-data {fisher}")))
+    assert missing.returncode == 2 and "fog" in missing.stderr, missing.stderr
+    assert copied.returncode == 2 and "is a copy of the stream" in copied.stderr, copied.stderr
+    for r in (missing, copied):
+        assert len(r.stderr.strip().splitlines()) == 1 and "cells" not in r.stdout, r.stderr
+    assert not (tmp_path / "g.jsonl").exists() or not records(tmp_path / "g.jsonl")
+
+
 def processes_with(marker):
     """pids whose command line mentions marker."""
     found = []
