@@ -3087,6 +3087,16 @@ def test_a_replayed_noise_seed_is_labelled_not_private_everywhere(tree, tmp_path
     assert " ε=5 noise-seed (not private)" in header  # apart from the column before it
 
 
+def test_a_file_the_public_data_check_cannot_read_is_one_line(tmp_path, capsys):
+    """The check reads the Fisher images and the stream's files of the same size: one it
+    cannot read (no permission; here a folder) is one line and exit 2, not a traceback."""
+    with pytest.raises(SystemExit) as stop:
+        dptta.file_digest(str(tmp_path))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1
+    assert f"--fisher-data: cannot compare {tmp_path} with the stream's files" in err
+
+
 @pytest.mark.parametrize("how", ["the stream itself", "a symlink to it", "a hard link", "a copy"])
 def test_fisher_images_that_are_the_streams_files_are_refused(tree, tmp_path, how, capsys):
     """EATA's penalty is data-free only if its images are public: a Fisher folder that reaches
