@@ -1205,6 +1205,7 @@ class DPNorm(DPTTA):
 # ============================================================================
 # Part II: ImageNet-C from the command line (data, the paper's values, records, main)
 import argparse
+import fcntl
 import io
 import json
 import signal
@@ -2246,6 +2247,37 @@ def main(argv=None):
     run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
     # the run's state after each stream holds the noise stream's key: as secret as the data
     state = None if args.out == os.devnull else f"{args.out}.{run_hash}.pt"
+    with one_run_of(state):
+        return adapt_resumably(args, key, hp_note, state)
+
+
+@contextlib.contextmanager
+def one_run_of(state):
+    """The run's lock, held while it lives: a second run of the same cell (a hand run beside a
+    grid, two --resume) would release its images again and write every record twice. The
+    lock is flock's, which ends with the process: a killed run's never blocks its --resume."""
+    if state is None:  # --out /dev/null: nothing written, nothing to resume
+        yield
+        return
+    lock = state.removesuffix(".pt") + ".lock"
+    try:
+        f = open(lock, "a")
+    except OSError as e:  # (a name too long, a folder gone)
+        fail(f"cannot create the run's lock {lock}: {one_line(e)}; no image was read", 4)
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fail(f"another run of this cell is running (it holds {lock}): wait for it to end")
+        try:
+            yield
+        finally:
+            os.remove(lock)
+
+
+def adapt_resumably(args, key, hp_note, state):
+    """The run, after a killed one's state if --resume finds it; stopped by a signal, it says
+    what is kept."""
     mine = []  # this run's records already in --out
     if args.resume and os.path.exists(args.out):
         mine = [r for _, r in read_jsonl(args.out, "--out") if r.get("key") == key]

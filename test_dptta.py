@@ -3450,6 +3450,27 @@ def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path, stop)
     assert not out.exists() or not any(x["mode"] == "adapt" for x in records(out))
 
 
+def test_a_second_run_of_a_running_cell_is_refused_and_the_lock_goes_with_the_run(tmp_path):
+    """A hand run beside a grid, or two --resume of one killed run: the second would release
+    the same images again and write every record twice. It is refused in one line while the
+    first lives; the lock file goes when the first ends."""
+    out = tmp_path / "r.jsonl"
+    argv = ["--synthetic", "400", "--model", CLI_MODEL, "--workers", "0", "--batch-size", "8",
+            "--log-every", "1", "--out", str(out)]
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "dptta.py"), *argv],
+                         env=dict(os.environ, TMPDIR=str(tmp_path)), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: list(tmp_path.glob("r.jsonl.*.lock")), 60), p.stderr
+        r = run_main(*argv, "--resume")
+        assert r.returncode == 2 and "another run of this cell is running" in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    assert not list(tmp_path.glob("r.jsonl.*.lock"))
+
+
 class SlowImages(torch.utils.data.Dataset):
     """64 blank images, each a little slow to load: a loader's workers are still at work."""
 
