@@ -2272,7 +2272,8 @@ def one_run_of(state):
         try:
             yield
         finally:
-            os.remove(lock)
+            with contextlib.suppress(FileNotFoundError):  # (removed already: nothing held)
+                os.remove(lock)
 
 
 def adapt_resumably(args, key, hp_note, state):
