@@ -254,8 +254,8 @@ for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks
         cells.append(dptta.check_args(dptta.parse_args(argv)))
 args = cells[0]  # (check_args has checked the data root and filled in each cell's model)
 if not args.synthetic:  # each model's weights, then each cell's folders and Fisher images
-    for model, checkpoint in sorted({(cell.model, cell.checkpoint or "") for cell in cells}):
-        dptta.build_model(model, checkpoint or None)  # fetched or loaded once, or one line
+    for model, checkpoint in sorted({(cell.model, cell.checkpoint) for cell in cells}, key=str):
+        dptta.build_model(model, checkpoint)  # fetched or loaded once, or one line
     opened = set()
     for cell in cells:
         fisher_seed = cell.seed if cell.fisher_data else None  # (its Fisher images: its seed's)
