@@ -24,6 +24,8 @@
 #   without it every eata cell runs with no anti-forgetting penalty, and says so),
 #   PYTHON (the interpreter with torch and timm; default python3, e.g. .venv/bin/python).
 #   A subset, e.g. METHODS="sar deyo" VARIANTS="dp" EPSILONS="5 1" ./run_imagenet_c.sh
+#   tune reads all but BATCHES (and one seed), wild SEEDS, METHODS and VARIANTS, bn SEEDS and
+#   SETTINGS: a stage refuses a variable it would ignore.
 # Resumable: every cell runs with --resume, so cells already in $OUT are skipped.
 # The paper's constants are passed where they differ from the originals' (--hp e_margin=0.5
 # for SAR, --hp plpd_threshold=0.3 for DeYO; see PAPER_CONSTANTS in dptta.py).
@@ -41,6 +43,11 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")}"  # sbatch runs a spooled copy of this 
 if [ ! -f dptta.py ]; then
   echo "run_imagenet_c.sh: no dptta.py in $PWD: run it, or sbatch it, from the repo" >&2; exit 2
 fi
+# the grid's variables the user set (a stage refuses one it does not read: never ignored)
+given=
+for v in SEEDS SETTINGS BATCHES METHODS VARIANTS EPSILONS; do
+  if [ -n "${!v+set}" ]; then given="$given $v"; fi
+done
 # (set but empty: an empty grid, refused, never the whole grid)
 SEEDS=${SEEDS-"0 1 2"}; SETTINGS=${SETTINGS-"continual episodic"}; BATCHES=${BATCHES-64}
 METHODS=${METHODS-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS-"plain clip dp"}
@@ -74,12 +81,13 @@ esac
 
 # One line of dptta.py flags per cell, from dptta's own tables of the paper's values.
 grid() {
-  STAGE=$stage SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS BATCHES=$BATCHES \
+  STAGE=$stage GIVEN=$given SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS BATCHES=$BATCHES \
   EPSILONS=$EPSILONS TUNED=$([ $tuned = 1 ] && echo "$TUNED") "$PYTHON" - <<'PY'
 import itertools, json, os, sys
 import dptta
 env = {k: os.environ[k].split()
        for k in ("SEEDS", "SETTINGS", "METHODS", "VARIANTS", "EPSILONS", "BATCHES")}
+stage = os.environ["STAGE"]
 tuned = None  # --tuned: {"setting/method/column": [C, lr]}, the tune stage's choice
 if os.environ["TUNED"]:
     try:
@@ -95,7 +103,7 @@ if os.environ["TUNED"]:
 allowed = {"METHODS": ("source",) + tuple(dptta.PAPER_LR["continual"]),  # the paper's five
            "VARIANTS": ("plain", "clip", "dp"), "SETTINGS": ("continual", "episodic"),
            "BATCHES": ("1", "2", "4", "8", "16", "32", "64"),
-           "EPSILONS": ("20", "15", "10", "5", "1") if os.environ["STAGE"] == "main" and tuned is None
+           "EPSILONS": ("20", "15", "10", "5", "1") if stage == "main" and tuned is None
            else tuple(env["EPSILONS"])}
 def is_number(v):
     try:
@@ -120,6 +128,19 @@ for name, values in env.items():  # one line and exit 2, before any cell
     if len(distinct) < len(values):
         print(f"run_imagenet_c.sh: {name} repeats a value: {' '.join(values)}", file=sys.stderr)
         sys.exit(2)
+# what each stage reads; a variable it does not read, set by the user, would be ignored
+reads = {"main": set(env), "tune": set(env) - {"BATCHES"},
+         "wild": {"SEEDS", "METHODS", "VARIANTS"}, "bn": {"SEEDS", "SETTINGS"}}
+runs = {"tune": "batch 64", "wild": "its own settings and batch, at ε = 5",
+        "bn": "source, norm, Tent and dp_norm at ε = 20, 5, 1; batch 64"}
+for name in os.environ["GIVEN"].split():
+    if name not in reads[stage]:
+        print(f"run_imagenet_c.sh: the {stage} stage does not read {name} (it runs "
+              f"{runs[stage]}): unset it", file=sys.stderr)
+        sys.exit(2)
+if stage == "tune" and "SEEDS" in os.environ["GIVEN"].split() and len(env["SEEDS"]) > 1:
+    print("run_imagenet_c.sh: the tune stage runs one seed: SEEDS=one seed", file=sys.stderr)
+    sys.exit(2)
 methods = [m for m in env["METHODS"] if m != "source"]
 
 
@@ -140,7 +161,7 @@ def constants(m):  # the paper's scripts' filter constants, for the filtered (no
     return "".join(f" --hp {k}={v}" for k, v in dptta.PAPER_CONSTANTS.get(m, {}).items())
 
 
-if os.environ["STAGE"] == "tune":  # a grid of C and lr (the paper's DP search), held-out only
+if stage == "tune":  # a grid of C and lr (the paper's DP search), held-out only
     columns = (["clip-only"] if "clip" in env["VARIANTS"] else []) + \
               (epsilons if "dp" in env["VARIANTS"] else [])
     # the paper chose C <= 10 with noise, and up to 35 for clip-only: each can be reached
@@ -152,19 +173,23 @@ if os.environ["STAGE"] == "tune":  # a grid of C and lr (the paper's DP search),
                                        (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1)):
             print(f"{how} --clip {C} --lr {lr} --setting {setting} --seed {seed} "
                   f"--corruptions {','.join(dptta.HELD_OUT)}")
-elif os.environ["STAGE"] == "wild":  # SAR's three wild settings, continual
+elif stage == "wild":  # SAR's three wild settings, continual
     wild = {"batch 1": "--batch-size 1", "mixed shifts": "--setting mixed",
             "label shift": "--order class"}
     for (name, how), seed in itertools.product(wild.items(), env["SEEDS"]):
-        print(f"--method source {how} --seed {seed}")
+        if "source" in env["METHODS"]:
+            print(f"--method source {how} --seed {seed}")
         for m in methods:
             C, lr = dptta.PAPER_CLIP_ONLY["continual"][m]
             dp = " --accumulate 64" if name == "batch 1" else ""  # one noise per 64 images
             C5, lr5, _ = dptta.paper_hparams("dp_" + m, 5)
-            print(f"--method {m}{constants(m)} {how} --seed {seed}")
-            print(f"--method {m}{constants(m)} --clip {C} --lr {lr} {how} --seed {seed}")
-            print(f"--method dp_{m} --eps 5 --clip {C5} --lr {lr5} {how}{dp} --seed {seed}")
-elif os.environ["STAGE"] == "bn":  # a BatchNorm network: its statistics, private or not
+            if "plain" in env["VARIANTS"]:
+                print(f"--method {m}{constants(m)} {how} --seed {seed}")
+            if "clip" in env["VARIANTS"]:
+                print(f"--method {m}{constants(m)} --clip {C} --lr {lr} {how} --seed {seed}")
+            if "dp" in env["VARIANTS"]:
+                print(f"--method dp_{m} --eps 5 --clip {C5} --lr {lr5} {how}{dp} --seed {seed}")
+elif stage == "bn":  # a BatchNorm network: its statistics, private or not
     for setting, seed in itertools.product(env["SETTINGS"], env["SEEDS"]):
         for how in ("source", "norm", "tent --lr 0.00025", "dp_norm --eps 20", "dp_norm --eps 5",
                     "dp_norm --eps 1"):

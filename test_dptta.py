@@ -3150,12 +3150,13 @@ PY = subprocess.run(["bash", "-c", 'printf %q "$0"', sys.executable], capture_ou
 
 
 def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
-    r, tune, sar = grids(
+    r, tune, sar, wild = grids(
         (("--dry-run",), dict(SEEDS="0 1", SETTINGS="continual episodic", OUT="r s.jsonl",
                               EXTRA="--limit 9")),
         (("tune", "--dry-run"), dict(SEEDS="0", SETTINGS="continual")),
         (("--dry-run",), dict(SEEDS="0", SETTINGS="continual", METHODS="sar", VARIANTS="dp",
-                              EPSILONS="5 1")))
+                              EPSILONS="5 1")),
+        (("wild", "--dry-run"), dict(SEEDS="0", METHODS="tent", VARIANTS="dp")))
     assert r.returncode == 0, r.stderr
     lines = [line.replace(PY, "python3", 1) for line in r.stdout.splitlines()
              if line.startswith(f"{PY} dptta.py")]
@@ -3175,6 +3176,11 @@ def test_grid_dry_run_prints_the_exact_commands_with_the_papers_constants():
         assert paper_choice in tune.stdout  # the tune stage can choose what the paper chose
     assert "speckle_noise,gaussian_blur,spatter,saturate" in tune.stdout
     assert sar.stdout.count(f"{PY} dptta.py --method dp_sar") == 2 and "# 2 cells" in sar.stdout
+    # the wild stage reads METHODS and VARIANTS: dp_tent in its three settings, no source
+    wild_cells = [line for line in wild.stdout.splitlines() if line.startswith(PY)]
+    assert "# 3 cells (wild)" in wild.stdout, wild.stderr
+    assert all("--method dp_tent --eps 5 " in line for line in wild_cells)
+    assert sum("--batch-size 1 --accumulate 64" in line for line in wild_cells) == 1
 
 
 def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
@@ -3191,7 +3197,13 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
                ((), dict(METHODS=""), ""), (("tune",), dict(EPSILONS="e-5"), ""),
                ((), dict(SEEDS="0 00"), "repeats"), (("tune",), dict(EPSILONS="5 5.0"), "repeats"),
                (("tune", "bn"), {}, "one stage, not tune and bn"),
-               (("bn", "--tuned"), {}, "--tuned is for the main grid")]
+               (("bn", "--tuned"), {}, "--tuned is for the main grid"),
+               # a variable the stage does not read is refused, not ignored
+               (("bn",), dict(METHODS="tent"), "the bn stage does not read METHODS"),
+               (("wild",), dict(EPSILONS="1"), "the wild stage does not read EPSILONS"),
+               (("wild",), dict(SETTINGS="episodic"), "does not read SETTINGS"),
+               (("tune",), dict(BATCHES="16"), "the tune stage does not read BATCHES"),
+               (("tune",), dict(SEEDS="0 1"), "the tune stage runs one seed")]
     # every cell checked as dptta.py checks it, before the first: not 66 failing cells
     checked = [((), dict(one_cell, EXTRA=f"{smoke} --seed 3"), "EXTRA sets --seed, which the grid"),
                ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_")]
