@@ -1825,7 +1825,7 @@ def parse_hp(items, method):
 
 
 def check_out(args, default):
-    """--out (or default): a regular file or a new one its folder can hold; /dev/null
+    """--out (or default): a JSONL file or a new one its folder can hold; /dev/null
     discards the records (said so), and keeps nothing to --resume."""
     if args.out is None:
         args.out = default
@@ -1839,7 +1839,10 @@ def check_out(args, default):
         require(
             os.path.isfile(args.out), f"--out {args.out} is not a regular file (a FIFO, a device?)"
         )
-        require(os.access(args.out, os.W_OK), f"--out {args.out} is not writable")
+        require(os.access(args.out, os.W_OK | os.R_OK), f"--out {args.out} is not writable")
+        with open(args.out, "rb") as f:  # records go after records: never onto another file
+            first = f.readline(1 << 20).strip(b" \t\r\n\x00")  # (a crash's NULs: a JSONL)
+        require(not first or first.startswith(b"{"), f"--out {args.out} is not a JSONL file")
     else:
         require(os.path.isdir(folder), f"--out {args.out}: its folder does not exist")
         require(os.access(folder, os.W_OK), f"--out {args.out} is not writable")

@@ -2224,6 +2224,7 @@ def bad_tree(root):
     (root / "empty.pth").write_bytes(b"")
     (root / "empty").mkdir(exist_ok=True)
     (root / "truncated.jsonl").write_text('{"mode": "adapt", "key": {}}\n{"mode": "ad')
+    (root / "table.csv").write_text("method,mean\ntent,40.1\n")
     bad = root / "bad"
     dptta.make_synthetic_tree(str(bad), ["gaussian_noise"], 5, 2, size=16)
     image_folder(bad / "shot_noise" / "5" / "not_a_wnid", "", 1)
@@ -2499,6 +2500,10 @@ def bad_input_cases(root, ckpt):
         "audit dp_norm clip": (["--audit", "--method", "dp_norm", "--clip", "3"],
                                "dp_norm takes no --clip, --lr"),
         "resume binary": (ok + ["--resume", "--out", ckpt], "not a JSONL file"),
+        # records are appended to a JSONL file only: never onto a checkpoint or a table
+        "out binary": (ok + ["--out", ckpt], "not a JSONL file"),
+        "out a table": (ok + ["--out", os.path.join(root, "table.csv")], "not a JSONL file"),
+        "benchmark out binary": (["--benchmark", "--out", ckpt], "not a JSONL file"),
         # flags that would change nothing: refused, never recorded as a setting
         "hp unused by the method": (ok + ["--method", "tent", "--hp", "e_margin=0.5"],
                                     "does not change a tent run"),
