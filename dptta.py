@@ -1309,6 +1309,8 @@ class WnidFolder(ImageFolder):
                 reached_once(self.nodes, path, (st.st_dev, st.st_ino))
                 need(not stat.S_ISDIR(st.st_mode), f"{path} is a folder inside a class folder")
                 if has_file_allowed_extension(path, extensions):
+                    # (found now, not hours into a run: a read that fails stops the run)
+                    need(os.access(path, os.R_OK), f"cannot read {path}: no permission")
                     found.append(path)
                     self.files[path] = st
             if not found:

@@ -3092,6 +3092,25 @@ def test_a_replayed_noise_seed_is_labelled_not_private_everywhere(tree, tmp_path
     assert " ε=5 noise-seed (not private)" in header  # apart from the column before it
 
 
+def test_an_image_without_read_permission_is_found_before_the_first_image(
+        tree, tmp_path, monkeypatch, capsys):
+    """A stream's file its run may not read would stop the run at that image (exit 4, hours
+    into a grid's cell): the listing finds it, one line and exit 2, before the first image.
+    (The permission is denied by patching os.access: root, who runs CI, may read anything.)"""
+    root, ckpt = tree
+    locked = str(sorted((root / "shot_noise" / "5").rglob("*.JPEG"))[3])
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: path != locked and access(path, mode))
+    with pytest.raises(SystemExit) as stop:
+        dptta.main(["--data", str(root), "--checkpoint", str(ckpt), "--model", CLI_MODEL,
+                    "--method", "tent", "--workers", "0", "--out", str(tmp_path / "r.jsonl")])
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert stop.value.code == 2 and f"cannot read {locked}: no permission" in err
+    assert len(err.splitlines()) == 1
+    assert "top-1" not in captured.out and not (tmp_path / "r.jsonl").exists()
+
+
 def test_a_file_the_public_data_check_cannot_read_is_one_line(tmp_path, capsys):
     """The check reads the Fisher images and the stream's files of the same size: one it
     cannot read (no permission; here a folder) is one line and exit 2, not a traceback."""
