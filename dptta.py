@@ -33,6 +33,7 @@ import hashlib
 import math
 import os
 import re
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass, field, replace
@@ -330,20 +331,24 @@ class NoiseStream:
             self.key = os.urandom(32)
         else:
             self.key = hashlib.sha256(b"dptta noise seed %d" % seed).digest()
-        self.blocks, self.pid = 0, os.getpid()
+        self.blocks, self.pid, self.lock = 0, os.getpid(), threading.Lock()
 
     def normal(self, n, device="cpu", dtype=torch.float32):
-        """The next block: n draws of N(0, 1), by Box-Muller on 53-bit uniforms in float64."""
+        """The next block: n draws of N(0, 1), by Box-Muller in float64 on uniforms u1 of 106
+        bits (u1 >= 2^-107, so that the radius reaches NOISE_RADIUS) and u2 of 53 bits."""
         if os.getpid() != self.pid:
             forked = "a NoiseStream in a forked process would draw its parent's noise"
             raise RuntimeError(forked + ": build the adapter, or copy.deepcopy it, in the child")
+        with self.lock:  # two threads must never draw one block
+            index, self.blocks = self.blocks, self.blocks + 1
         pairs = (n + 1) // 2
-        block = hashlib.shake_256(self.key + self.blocks.to_bytes(8, "little"))
-        self.blocks += 1
-        words = np.frombuffer(block.digest(16 * pairs), np.uint64) >> np.uint64(11)
-        u = (words.astype(np.float64) + 0.5) / 2.0**53  # in (0, 1): log(u) is finite
+        block = hashlib.shake_256(self.key + index.to_bytes(8, "little"))
+        words = np.frombuffer(block.digest(24 * pairs), np.uint64) >> np.uint64(11)  # 53 bits
+        high, low, angle_bits = words.astype(np.float64).reshape(3, pairs)
+        u1 = (high + (low + 0.5) / 2.0**53) / 2.0**53  # in (0, 1]: log(u1) is finite
+        u2 = (angle_bits + 0.5) / 2.0**53
         # z = √(−2 ln u1)·(cos 2πu2, sin 2πu2): two independent N(0, 1) per pair (u1, u2)
-        radius, angle = np.sqrt(-2 * np.log(u[:pairs])), 2 * math.pi * u[pairs:]
+        radius, angle = np.sqrt(-2 * np.log(u1)), 2 * math.pi * u2
         z = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:n]
         z = torch.from_numpy(z).to(dtype)
         if torch.device(device).type == "cuda":  # from pinned memory the copy waits for no kernel
@@ -359,6 +364,27 @@ class NoiseStream:
 
     def __reduce_ex__(self, protocol):
         raise TypeError("a NoiseStream is never copied or pickled: the copy would draw its noise")
+
+
+# The sampler's reach: a Box-Muller pair lies within radius √(−2 ln u1) <= √(−2 ln 2^-107)
+NOISE_RADIUS = math.sqrt(-2 * math.log(2.0**-107))  # 12.18
+
+
+def check_noise_reach(sigma, delta, releases):
+    """The accountant's Gaussian has no end; the sampler's noise ends at NOISE_RADIUS·σC per
+    pair. A neighbour's release is the same sum moved by 2C, μ = 2/σ in units of the noise:
+    with a chance of at most exp(−(R − μ)²/2) per release it falls where this one's noise
+    never reaches, and there the two are told apart (moved within one pair, the worst case,
+    the pair's radius is at most μ plus a radius of the noise, whose tail is Rayleigh's).
+    Refused unless that chance, over an image's releases, is below δ/1000 (at δ = 1e-6: ε up
+    to about 43)."""
+    if sigma == 0:
+        return
+    mu = 2 / sigma
+    tail = releases * math.exp(-((NOISE_RADIUS - mu) ** 2) / 2) if mu < NOISE_RADIUS else 1.0
+    reach = f"its noise ends at {NOISE_RADIUS:.2f}σC, past which a release shows its neighbour"
+    need(tail <= delta / 1000, f"σ = {sigma:.4g} is too small for the sampler: {reach} with "
+         f"chance {tail:.1e} > delta/1000; use a smaller eps or a larger delta")
 
 
 FP32_MAX = torch.finfo(torch.float32).max  # C and lr meet θ in fp32: a larger one overflows
@@ -712,6 +738,7 @@ class DPTTA(nn.Module):
         # σ(ε, δ), and the check of eps, delta and repeats (calibrate_sigma refuses bad ones)
         noisy_eps = math.inf if eps is None else eps  # the originals: no noise
         self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)
+        check_noise_reach(self.sigma, delta, repeats)
         need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
         bad_clip = f"clip must be finite and > 0 (fp32), got {clip}"
         need(clip is None or 0 < clip <= FP32_MAX, bad_clip)
@@ -723,7 +750,7 @@ class DPTTA(nn.Module):
         unknown = sorted(set(constants) - CONSTANTS - set(self.hp))
         need(not unknown, f"unknown constant {', '.join(unknown)} for {name}")
         self.hp.update((k, v) for k, v in constants.items() if k in self.hp)
-        self.eps, self.delta, self.clip, self.lr = eps, delta, clip, lr
+        self.eps, self.delta, self.clip, self.lr, self.repeats = eps, delta, clip, lr, repeats
         self.bn, self.accumulate, self.chunk_size = bn, accumulate, chunk_size
         self.model_params = {}
         self.releases = 1  # per image and step (DPNorm: one per private BatchNorm layer)
@@ -1137,6 +1164,7 @@ class DPNorm(DPTTA):
         self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in chosen}
         self.releases = len(self.bn_src)
         self.sigma *= math.sqrt(self.releases)  # σ_l = √L·σ: L releases per image
+        check_noise_reach(self.sigma, self.delta, self.releases * self.repeats)
         self.reset()
 
     def reset(self):

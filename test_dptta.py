@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from functools import partial
@@ -952,12 +953,14 @@ def test_no_pickle_copy_or_checkpoint_holds_the_noise_key():
 
 def box_muller(block, n):
     """N(0, 1) from a block of bytes, written out as the textbook has it: 64-bit words, their
-    top 53 bits as u in (0, 1), z = √(−2 ln u1)·cos 2πu2 and √(−2 ln u1)·sin 2πu2."""
+    top 53 bits; u1 = (high + (low + 1/2)/2^53)/2^53 from two words, u2 = (word + 1/2)/2^53;
+    z = √(−2 ln u1)·cos 2πu2 and √(−2 ln u1)·sin 2πu2."""
     pairs = (n + 1) // 2
-    u = [((int.from_bytes(block[8 * i : 8 * i + 8], "little") >> 11) + 0.5) / 2**53
-         for i in range(2 * pairs)]
-    cos = [math.sqrt(-2 * math.log(u[i])) * math.cos(2 * math.pi * u[pairs + i]) for i in range(pairs)]
-    sin = [math.sqrt(-2 * math.log(u[i])) * math.sin(2 * math.pi * u[pairs + i]) for i in range(pairs)]
+    w = [int.from_bytes(block[8 * i : 8 * i + 8], "little") >> 11 for i in range(3 * pairs)]
+    u1 = [(w[i] + (w[pairs + i] + 0.5) / 2**53) / 2**53 for i in range(pairs)]
+    u2 = [(w[2 * pairs + i] + 0.5) / 2**53 for i in range(pairs)]
+    cos = [math.sqrt(-2 * math.log(a)) * math.cos(2 * math.pi * b) for a, b in zip(u1, u2)]
+    sin = [math.sqrt(-2 * math.log(a)) * math.sin(2 * math.pi * b) for a, b in zip(u1, u2)]
     return (cos + sin)[:n]
 
 
@@ -971,7 +974,7 @@ def test_the_noise_is_a_keyed_cryptographic_stream():
     seeded = dptta.NoiseStream(seed=7)
     key = hashlib.sha256(b"dptta noise seed 7").digest()
     for block, n in enumerate((5, 4, 1)):  # blocks 0, 1, 2: never one reused
-        expected = box_muller(hashlib.shake_256(key + block.to_bytes(8, "little")).digest(16 * 3), n)
+        expected = box_muller(hashlib.shake_256(key + block.to_bytes(8, "little")).digest(24 * 3), n)
         z = seeded.normal(n, dtype=torch.float64)
         assert z.tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
     torch.manual_seed(0)
@@ -985,6 +988,71 @@ def test_the_noise_is_a_keyed_cryptographic_stream():
         assert stats.kstest(z, "norm").pvalue > 1e-4  # the check can fail: a wrong transform
         assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
     assert stats.kstest(np.abs(z), "norm").pvalue < 1e-10  # (it can: |z| is not N(0, 1))
+
+
+def test_the_noise_reaches_as_far_as_every_accepted_run_needs(monkeypatch):
+    """The accountant assumes a Gaussian without end; a float sampler's ends. Where a
+    neighbour's release, moved by μ = 2/σ, could fall past it, the two are told apart: with
+    53-bit u1 the noise ended at 8.65σ, and at ε = 100 (δ = 1e-6) 94% of the releases showed
+    their image. The sampler now reaches 12.18σ (u1 >= 2^-107), and a run is refused unless
+    the chance of a release past the reach, computed exactly (the pair's squared radius
+    moved by μ: a noncentral χ² with 2 degrees of freedom), is below δ/1000."""
+    from scipy import stats
+
+    class Zeros:  # the smallest words: u1 = 2^-107 and u2 = 2^-54, the noise at its reach
+        def __init__(self, data):
+            pass
+
+        def digest(self, n):
+            return bytes(n)
+
+    monkeypatch.setattr(hashlib, "shake_256", Zeros)
+    z = dptta.NoiseStream(seed=0).normal(2, dtype=torch.float64)
+    monkeypatch.undo()
+    reach = math.sqrt(-2 * math.log(2.0**-107))
+    assert z[0].item() == pytest.approx(reach, rel=1e-12) and reach > 12.17  # 53 bits: 8.65
+    assert abs(z[1].item()) < 1e-12
+    accepted = []
+    for delta in (1e-5, 1e-6, 1e-9, 1e-20, 1e-28):
+        for eps in (1, 5, 20, 30, 40, 45, 100):
+            sigma = dptta.calibrate_sigma(eps=eps, delta=delta)
+            exact = stats.ncx2.sf(reach**2, 2, (2 / sigma) ** 2)  # a release past the reach
+            try:
+                dptta.DPTTA(tiny_vit(), "dp_tent", eps=eps, delta=delta, clip=1.0, lr=0.1)
+            except ValueError as e:
+                assert "too small for the sampler" in str(e) and len(str(e).splitlines()) == 1
+                continue
+            accepted.append((eps, delta))
+            assert exact <= delta / 1000, (eps, delta)
+    assert (20, 1e-6) in accepted and (40, 1e-6) in accepted  # the paper's ε, and more
+    assert (45, 1e-6) not in accepted and (100, 1e-5) not in accepted
+    assert (5, 1e-20) in accepted and (5, 1e-28) not in accepted
+
+
+def test_two_threads_never_draw_one_block(monkeypatch):
+    """An adapter serving requests from two threads: the block counter is read and advanced
+    under a lock, so that no two releases get the same noise (their difference would be
+    noise-free). The hash is slowed here, so that the threads switch while one hashes: without
+    the lock both read one count, and 5 to 7 of the 200 blocks were drawn twice."""
+    shake = hashlib.shake_256
+
+    def slow(data):
+        time.sleep(0.001)  # the other thread runs meanwhile
+        return shake(data)
+
+    monkeypatch.setattr(hashlib, "shake_256", slow)
+    noise, drawn = dptta.NoiseStream(), [[], []]
+
+    def draw(thread):
+        for _ in range(100):
+            drawn[thread].append(tuple(noise.normal(4, dtype=torch.float64).tolist()))
+
+    threads = [threading.Thread(target=draw, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert noise.blocks == 200 and len(set(drawn[0]) | set(drawn[1])) == 200
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this system")
