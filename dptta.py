@@ -1158,7 +1158,7 @@ class DPNorm(DPTTA):
         if not private:
             self.batch_statistics([m for _, m in chosen])
             return
-        for layer, m in chosen:
+        for layer, m in bns:  # (one past bn_layers without them would mix the batch, noiseless)
             missing = f"{name}: BatchNorm {layer} has no running statistics"
             need(m.running_mean is not None, missing)
         self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in chosen}

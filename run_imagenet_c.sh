@@ -270,8 +270,11 @@ import contextlib, io, os, sys
 import dptta
 # EXTRA's flags as dptta.py reads them (--seed=3, an abbreviation --se 3): none the grid sets
 grids = {"method", "eps", "clip", "lr", "seed", "setting", "out", "resume"}
-for flag in sorted(grids & set(dptta.parse_args(sys.argv[1:]).given)):
+given = set(dptta.parse_args(sys.argv[1:]).given)
+for flag in sorted(grids & given):
     dptta.fail(f"EXTRA sets --{flag}, which the grid sets for each cell")
+if "noise_seed" in given:  # (two cells on the same images, one noise: it cancels)
+    dptta.fail("EXTRA sets --noise-seed: a grid's noise is secret")
 cells = []
 for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks it (quietly)
     argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[1:]

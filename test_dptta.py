@@ -2055,6 +2055,9 @@ def test_batchnorm_without_running_statistics_is_refused_where_it_would_couple_s
                            ("dp_norm", {})):
         with pytest.raises(ValueError, match="running statistics"):
             dptta.DPTTA(model(), method, **kw(method, **kwargs))
+    later = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), *model())  # BN 3: past bn_layers
+    with pytest.raises(ValueError, match="BatchNorm 3 has no running statistics"):
+        dptta.DPTTA(later.double().eval(), "dp_norm", eps=5, bn_layers=1)  # (it mixed the batch)
     m = model()
     with pytest.raises(ValueError, match="without running statistics"):
         dptta.per_sample_grads(m, {"1.weight": m[1].weight}, entropy_loss,
@@ -3298,7 +3301,8 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
                (("tune",), dict(SEEDS="0 1"), "the tune stage runs one seed")]
     # every cell checked as dptta.py checks it, before the first: not 66 failing cells
     checked = [((), dict(one_cell, EXTRA=f"{smoke} --seed 3"), "EXTRA sets --seed, which the grid"),
-               ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_")]
+               ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_"),
+               ((), dict(one_cell, EXTRA=f"{smoke} --noise-seed 3"), "a grid's noise is secret")]
     others = [(("--count",), dict(PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHON="python3"), ()),
               (("--dry-run",), dict(METHODS="tent", VARIANTS="dp", EPSILONS=""), ()),
               ((), dict(IMAGENET_C=str(tmp_path / "missing"), METHODS="source", SEEDS="0"), ())]
