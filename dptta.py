@@ -1360,7 +1360,8 @@ class WnidFolder(ImageFolder):
 
 def collate_skipping(batch):
     """(x, y, unreadable paths). An unreadable image becomes a gray placeholder with label
-    −1: never scored, but in the batch, so that B, the divisor, never depends on a file."""
+    −1: never scored, but in the batch, so that B, the divisor, never depends on a file (a
+    batch with none to copy the shape of: x = None, and the stream fills it with gray)."""
     bad = [path for x, path in batch if x is None]
     good = [b for b in batch if b[0] is not None]
     if not good:
@@ -2196,9 +2197,9 @@ def progress(loader, what):
             )
 
 
-def stream_through(adapter, loader, label, *, args, lookup, groups=1):
+def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
     """The adapter on one stream: (correct, scored) per group (mixed: per corruption), and
-    the unreadable images' paths."""
+    the unreadable images' paths. shape: an image's, [3, H, W], for a batch of placeholders."""
     correct, scored = torch.zeros(2, groups, dtype=torch.long, device=args.device)
     unreadable, t0 = [], time.time()
     last = t0
@@ -2208,8 +2209,9 @@ def stream_through(adapter, loader, label, *, args, lookup, groups=1):
         for path in bad:
             print(f"  unreadable, skipped: {path}", flush=True)
         unreadable += bad
-        if x is None:
-            continue
+        if x is None:  # none of the batch decodes: all gray, as each alone would be (a batch
+            # skipped would change the windows and the count of steps: they read one file)
+            x, y = torch.zeros(len(bad), *shape), torch.full((len(bad),), -1)
         x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
         if lookup is not None:  # ImageNet-1k index -> its index among the classes scored
             y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
@@ -2495,7 +2497,8 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         loader = image_stream(sources[name], args.batch_size, seed=args.seed, **stream)
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
         correct, scored, bad = stream_through(
-            adapter, loader, label, args=args, lookup=lookup, groups=len(groups)
+            adapter, loader, label, args=args, lookup=lookup, shape=config["input_size"],
+            groups=len(groups)
         )
         for c, images in zip(groups, scored):  # a 0% of no image would be a made-up measurement
             if not images:

@@ -2243,6 +2243,32 @@ def test_unreadable_image_keeps_its_place_in_the_batch():
     assert dptta.collate_skipping([(None, "p"), (None, "q")]) == (None, None, ["p", "q"])
 
 
+def test_an_undecodable_image_takes_its_slot_in_the_steps_at_any_batch_size(tree, tmp_path,
+                                                                           monkeypatch):
+    """Whether an image decodes is a function of that image alone, and so must be all it
+    changes. At --batch-size 1 its batch had no image to copy a placeholder's shape from and
+    was skipped: the image changed every later window of --accumulate and their count, which
+    the releases show. Its batch is now gray: the steps are the same whether it decodes."""
+    steps, real = {}, dptta.DPTTA._update
+    for decodes in (True, False):
+        root = tmp_path / str(decodes)
+        dptta.make_synthetic_tree(str(root), ["gaussian_noise"], 5, 5, size=48)
+        if not decodes:
+            sorted(root.rglob("*.JPEG"))[2].write_bytes(b"this is not a jpeg")
+        sizes = steps[decodes] = []
+
+        def update(adapter, x, sizes=sizes):
+            sizes.append(len(x))
+            return real(adapter, x)
+
+        monkeypatch.setattr(dptta.DPTTA, "_update", update)
+        assert dptta.main(["--data", str(root), "--corruptions", "gaussian_noise", "--model",
+                           CLI_MODEL, "--checkpoint", str(tree[1]), "--method", "dp_tent",
+                           "--batch-size", "1", "--accumulate", "2", "--workers", "0",
+                           "--out", os.devnull]) == 0
+    assert steps[True] == steps[False] == [2, 2, 1]
+
+
 def test_hidden_files_special_files_and_16_bit_images_as_real_trees_hold_them(tmp_path):
     """macOS' ._ twins, .DS_Store and a .ipynb_checkpoints class folder are skipped (they
     would take placeholder slots, or abort the run); a FIFO named *.JPEG is not listed (the
