@@ -1372,16 +1372,13 @@ def collate_skipping(batch):
 
 class Mixed(torch.utils.data.ConcatDataset):
     """--setting mixed (SAR's mixed shifts): every corruption in one stream, each image
-    labelled y + TAG·c with its corruption c, so that each is scored apart. One stream: a
-    file in two corruptions' folders (a hard link) is refused, from the listings' nodes."""
+    labelled y + TAG·c with its corruption c, so that each is scored apart (open_streams has
+    refused a file in two corruptions' folders)."""
 
     TAG = 1000
 
     def __init__(self, streams):
         super().__init__(list(streams.values()))
-        seen = {}
-        for node, path in (n for ds in self.datasets for n in ds.nodes.items()):
-            reached_once(seen, path, node)
         self.targets = [ds.imagenet_index[t] for ds in self.datasets for t in ds.targets]
 
     def __getitem__(self, i):
@@ -1907,9 +1904,16 @@ def open_folder(folder):
 
 
 def open_streams(corruptions, root, severity):
-    """{corruption: WnidFolder}, every folder listed and checked before the first image."""
+    """{corruption: WnidFolder}, every folder listed and checked before the first image. A
+    file in two corruptions' folders (a link: its device and inode) is refused in every
+    setting: each image is in one step (the same *photo* in each corruption is by design,
+    --privacy-unit photo). No file is stat'ed a second time: the listings' nodes are read."""
     folders = {c: os.path.join(root, c, str(severity)) for c in corruptions}
-    return {c: open_folder(root if c == "imagenet_r" else f) for c, f in folders.items()}
+    streams = {c: open_folder(root if c == "imagenet_r" else f) for c, f in folders.items()}
+    seen = {}
+    for node, path in (n for ds in streams.values() for n in ds.nodes.items()):
+        or_fail(reached_once, seen, path, node)
+    return streams
 
 
 def build_model(name, checkpoint=None, random_weights=False, seed=0):
@@ -2474,7 +2478,7 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
         warn(f"δ = {args.delta:g} is not below 1/n = 1/{n} (n: a stream's images), the usual rule")
     sources = streams  # a run's units: each stream (mixed: all at once), each round
     if args.setting == "mixed":
-        sources = {"mixed": or_fail(Mixed, streams)}
+        sources = {"mixed": Mixed(streams)}
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
     # (on another device the replay would compute other releases under the same noise, and the

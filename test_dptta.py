@@ -2215,23 +2215,27 @@ def test_an_image_reachable_twice_in_a_stream_is_refused(tmp_path, link, capsys)
     assert " again (a link?)" in err and str(root) in err
 
 
-def test_a_mixed_stream_refuses_one_file_in_two_corruptions(tmp_path, monkeypatch):
-    """Across corruptions the same *photo* is by design (--privacy-unit photo); but a mixed
-    stream is one stream, so one *file* hard-linked into two corruptions' folders is refused,
-    from the listings' (device, inode)s: no file is stat'ed a second time."""
+def test_one_file_in_two_corruptions_is_refused_in_every_setting(tmp_path, capsys):
+    """Across corruptions the same *photo* is by design (--privacy-unit photo); but one *file*
+    linked into two corruptions' folders is one image in two steps, under a ledger that counts
+    one: refused when the streams are opened, continual as mixed, from the listings' (device,
+    inode)s. A continual run streamed it twice before."""
     for c in ("gaussian_noise", "shot_noise"):
         image_folder(tmp_path / c / "5", "n01440764")
     streams = dptta.open_streams(["gaussian_noise", "shot_noise"], str(tmp_path), 5)
-    stats, stat = [], os.stat
-    monkeypatch.setattr(os, "stat", lambda *a, **k: stats.append(a) or stat(*a, **k))
-    assert len(dptta.Mixed(streams)) == 6 and stats == []
-    monkeypatch.undo()
-    target = tmp_path / "shot_noise" / "5" / "n01440764" / "0.JPEG"
-    target.unlink()
-    os.link(tmp_path / "gaussian_noise" / "5" / "n01440764" / "0.JPEG", target)
-    streams = dptta.open_streams(["gaussian_noise", "shot_noise"], str(tmp_path), 5)
-    with pytest.raises(ValueError, match="again"):
-        dptta.Mixed(streams)
+    assert len(dptta.Mixed(streams)) == 6
+    for linked in ("0.JPEG", ""):  # a hard link, then the whole severity folder as a symlink
+        target = tmp_path / "shot_noise" / "5" / "n01440764" / linked
+        if linked:
+            target.unlink()
+            os.link(tmp_path / "gaussian_noise" / "5" / "n01440764" / linked, target)
+        else:
+            shutil.rmtree(tmp_path / "shot_noise" / "5")
+            (tmp_path / "shot_noise" / "5").symlink_to(tmp_path / "gaussian_noise" / "5")
+        with pytest.raises(SystemExit) as stop:
+            dptta.open_streams(["gaussian_noise", "shot_noise"], str(tmp_path), 5)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and " again (a link?)" in err and len(err.splitlines()) == 1
 
 
 def test_unreadable_image_keeps_its_place_in_the_batch():
