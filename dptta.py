@@ -1011,12 +1011,13 @@ class DPTTA(nn.Module):
         if g is None:
             return logits
         if self.method.private:
-            self.state = {**self.state, "g_prev": g}
             logits = at_ascent
             if direction is not None:  # (at_ascent is at θ + ρ·Δ/‖Δ‖, not θ)
                 with torch.no_grad():
                     logits = logits_of(self.model(x))
         self._step(g)
+        if self.method.private:  # kept once the step is made: a step that fails keeps nothing
+            self.state = {**self.state, "g_prev": g}
         if "reset_ema" in self.hp:
             self._recover(entropy(at_ascent.detach())[keep].mean().item())
         return logits
@@ -1170,18 +1171,48 @@ class DPNorm(DPTTA):
     def reset(self):
         """DPTTA's reset, and the source's statistics back in every private layer."""
         super().reset()
-        for name, (mean, var) in self.bn_src.items():
-            self.model.get_submodule(name).running_mean.copy_(mean)
-            self.model.get_submodule(name).running_var.copy_(var)
+        self._normalize_all()
+
+    def set_extra_state(self, state):
+        """DPTTA's load, and each private layer's statistics from the averages it loaded (the
+        layers' buffers are the model's, not the adapter's)."""
+        super().set_extra_state(state)
+        self._normalize_all()
+
+    def _normalize_all(self):
+        for name in self.bn_src:
+            self._normalize(name)
+
+    def _normalize(self, name):
+        """Private layer `name` normalizes with what its averages estimate: μ = μ_src + σ_src·a,
+        σ² = σ_src²·var z; before any release, with the source's statistics."""
+        mean, var = self.bn_src[name]
+        bn = self.model.get_submodule(name)
+        if name not in self.state:
+            bn.running_mean.copy_(mean)
+            bn.running_var.copy_(var)
+            return
+        a, ratio = estimated(self.state[name], len(mean))
+        bn.running_mean.copy_(mean + (var + bn.eps).sqrt() * a)
+        # (var + eps)·var z: train mode's batch variance, to which BatchNorm adds eps again, as
+        # train mode does (so at the source, var z = 1, it reads σ_src² + 2·eps)
+        bn.running_var.copy_((var + bn.eps) * ratio)
 
     def _update(self, x):
         if not self.checked:  # before the first release: one release per layer and forward
             self.check_releases(torch.zeros_like(x[:1]))
-        with torch.no_grad(), contextlib.ExitStack() as hooks:
-            for name in self.bn_src:  # a hook's handle removes it on exit
-                hook = partial(self._release_statistics, name)
-                hooks.enter_context(self.model.get_submodule(name).register_forward_pre_hook(hook))
-            return logits_of(self.model(x))
+        before = dict(self.state)  # each layer's averages are replaced, never changed in place
+        try:
+            with torch.no_grad(), contextlib.ExitStack() as hooks:
+                for name in self.bn_src:  # a hook's handle removes it on exit
+                    hook = partial(self._release_statistics, name)
+                    module = self.model.get_submodule(name)
+                    hooks.enter_context(module.register_forward_pre_hook(hook))
+                return logits_of(self.model(x))
+        except BaseException:  # a forward that fails keeps no layer's release (a retry would
+            self.state = before  # release those layers' statistics of its batch twice)
+            self._normalize_all()
+            raise
 
     def check_releases(self, x):
         """Each run of a BatchNorm layer is a release, accounted once per layer and image: a
@@ -1223,11 +1254,7 @@ class DPNorm(DPTTA):
         s = clip_and_noise({"v": v}, c, self.sigma, self.noise)["v"]
         tau2 = release_noise(self.sigma, c, len(v))
         self.state[name] = averaged(self.state.get(name), s, tau2)
-        a, ratio = estimated(self.state[name], len(mean))
-        bn.running_mean.copy_(mean + (var + bn.eps).sqrt() * a)  # μ = μ_src + σ_src·a
-        # σ² = (σ_src² + eps)·var z: train mode's batch variance, to which BatchNorm adds eps
-        # again, as train mode does (so at the source, var z = 1, it reads σ_src² + 2·eps)
-        bn.running_var.copy_((var + bn.eps) * ratio)
+        self._normalize(name)
 
 
 # ============================================================================

@@ -2065,6 +2065,53 @@ def test_batchnorm_without_running_statistics_is_refused_where_it_would_couple_s
     dptta.DPTTA(model(), "tent", lr=0.1)(images(3, dtype=torch.float64))  # Tent's own setting
 
 
+def test_a_step_that_fails_keeps_no_release(monkeypatch):
+    """A caller may catch an error (a GPU out of memory) and retry the batch: a step that
+    fails must keep none of its releases, or the retry releases the batch again. dp_norm
+    releases layer by layer within the forward, and a failure past the first layer kept the
+    earlier layers' releases; DP-SAT kept the batch's private gradient as its next ascent
+    direction before stepping. A failed step now keeps nothing."""
+    a, twin = (dptta.DPTTA(bn_net(), "dp_norm", eps=5, noise_seed=0) for _ in range(2))
+    x, layers = images(16, dtype=torch.float64), list(a.bn_src)
+    a(x)  # a first batch: one release per layer
+    kept, buffers = dict(a.state), {n: b.clone() for n, b in a.model.named_buffers()}
+
+    def out_of_memory(module, args):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    with a.model.get_submodule(layers[-1]).register_forward_pre_hook(out_of_memory):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            a(x)  # layers 1 and 5 release, 9 fails
+    assert all(a.state[n] is kept[n] for n in layers)
+    assert all(torch.equal(buffers[n], b) for n, b in a.model.named_buffers())
+    a(x)  # the retry: each layer's long average holds two releases, as the twin's that never failed
+    twin(x), twin(x)
+    assert [a.state[n][0][1] for n in layers] == [twin.state[n][0][1] for n in layers]
+    sat = dptta.DPTTA(tiny_vit(), "dp_sar", eps=5, clip=1.0, lr=0.1, noise_seed=0)
+    theta = [p.detach().clone() for p in sat.params.values()]
+    monkeypatch.setattr(sat.opt, "step", partial(out_of_memory, None, None))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sat(images(8))
+    monkeypatch.undo()
+    assert "g_prev" not in sat.state  # the next step ascends along no release of this batch
+    assert all(torch.equal(p, q) for p, q in zip(sat.params.values(), theta))
+
+
+def test_a_resumed_dp_norm_predicts_with_the_statistics_it_had():
+    """The runner resumes an adapter from get_extra_state (the averages), on a fresh model: its
+    layers normalized with the source's statistics until their next release, and a pending
+    --accumulate window was predicted so. They are estimated from the averages on load."""
+    a = dptta.DPTTA(bn_net(), "dp_norm", eps=5, noise_seed=0)
+    a(images(16, dtype=torch.float64))
+    b = dptta.DPTTA(bn_net(), "dp_norm", eps=5, accumulate=2)
+    b.set_extra_state(a.get_extra_state())
+    moved = [n for n, buf in a.model.named_buffers() if "running" in n]
+    assert moved and all(torch.equal(a.model.get_buffer(n), b.model.get_buffer(n)) for n in moved)
+    assert not torch.equal(a.model.get_buffer("1.running_mean"), bn_net().get_buffer("1.running_mean"))
+    x = images(4, dtype=torch.float64)
+    assert torch.equal(b(x), a.model(x))  # a window's first batch: predicted, no release
+
+
 def test_dp_norm_resets_to_the_source_statistics_and_is_audited_under_its_claim():
     a = dptta.DPTTA(bn_net(), "dp_norm", eps=5, noise_seed=0)
     src = {n: b.clone() for n, b in a.model.named_buffers()}
