@@ -818,9 +818,10 @@ class DPTTA(nn.Module):
 
     def __getstate__(self):
         """copy.deepcopy and pickle. The noise stream is left out: its key regenerates every
-        draw, past ones too, and would cancel the noise of the releases."""
+        draw, past ones too, and would cancel the noise of the releases. So is the audit's
+        replay: it holds raw test batches and their per-sample gradients."""
         self._refuse_a_pending_window()
-        return dict(super().__getstate__(), noise=None)
+        return dict(super().__getstate__(), noise=None, replay=None)
 
     def __setstate__(self, state):
         """A copy draws its noise from a stream of its own, keyed from the OS: none is shared."""

@@ -936,7 +936,8 @@ def test_a_copy_never_draws_its_originals_noise():
 def test_no_pickle_copy_or_checkpoint_holds_the_noise_key():
     """The noise stream's key regenerates its draws, past ones too: whoever held it would
     subtract the noise from every release. It appears in none of pickle.dumps, torch.save of
-    the adapter, and torch.save of state_dict; the stream itself refuses to be copied."""
+    the adapter, and torch.save of state_dict; the stream itself refuses to be copied. Nor
+    do copies and pickles hold the audit's replay (raw test batches, their gradients)."""
     a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, lr=0.1)
     a(images(4))
     key = a.noise.get_state()["key"]
@@ -946,6 +947,10 @@ def test_no_pickle_copy_or_checkpoint_holds_the_noise_key():
     for blob in (pickle.dumps(a), saved.getvalue(), checkpoint.getvalue()):
         assert key not in blob
     assert key in pickle.dumps(a.noise.get_state())  # the check can fail: the state holds it
+    a.replay = {}  # the audit's seam, left on: it holds the batches and their gradients
+    x = images(4)
+    a(x)
+    assert a.replay and copy.deepcopy(a).replay is None and pickle.loads(pickle.dumps(a)).replay is None
     for leak in (pickle.dumps, copy.deepcopy, copy.copy):
         with pytest.raises(TypeError, match="never copied or pickled"):
             leak(a.noise)
