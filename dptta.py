@@ -2355,6 +2355,9 @@ def adapt_resumably(args, key, hp_note, state):
             os.remove(state)
         return 0
     resume = None
+    if not args.resume and state and os.path.exists(state):  # (the user's choice: said, not refused)
+        warn(f"{state}: a killed run of this cell, replaced: this run starts afresh, and its "
+             "releases and the killed run's both count (--resume would go on)")
     if args.resume and state and os.path.exists(state):
         try:  # a killed run's state
             resume = torch.load(state, map_location=args.device, weights_only=False)

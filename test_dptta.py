@@ -2830,6 +2830,24 @@ def killed_in(corruption, monkeypatch, where="stream"):
     monkeypatch.setattr(dptta, "save_state", save)
 
 
+def test_a_fresh_run_over_a_killed_runs_state_says_that_both_count(tree, tmp_path, monkeypatch,
+                                                                    capsys):
+    """Without --resume a run of a killed cell starts afresh, with fresh noise on the images
+    the killed run released: its choice, but it is said, in one line, and its state replaces
+    the killed run's (removed at its end)."""
+    root, ckpt = tree
+    argv = ["--data", str(root), "--checkpoint", str(ckpt), "--out", str(tmp_path / "r.jsonl")]
+    killed_in("shot_noise", monkeypatch)
+    assert dptta.main(argv + RESUMABLE) == 130
+    monkeypatch.undo()
+    assert len(list(tmp_path.glob("r.jsonl.*.pt"))) == 1
+    capsys.readouterr()
+    assert dptta.main(argv + RESUMABLE[:-1]) == 0  # (no --resume)
+    err = capsys.readouterr().err
+    assert "a killed run of this cell, replaced" in err and "both count" in err
+    assert not list(tmp_path.glob("r.jsonl.*.pt"))
+
+
 def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp_path,
                                                                        monkeypatch, capsys):
     """Killed in its 2nd corruption, the rerun with --resume goes on from the state saved after
