@@ -1457,6 +1457,14 @@ def image_stream(
     )
 
 
+def stop_workers(batches):
+    """Stops a loader iterator's workers now, as its loop ends (an error's too). They ignore
+    SIGTERM (leave_stops_to_the_run), and workers left to Python's exit (as they were after an
+    error raised in one) are sent that SIGTERM and waited for: the run hung."""
+    if hasattr(batches, "_shutdown_workers"):  # (torch's; no workers, no method)
+        batches._shutdown_workers()
+
+
 def leave_stops_to_the_run(worker_id):
     """A loader worker ignores SIGTERM and SIGHUP (as it ignores SIGINT): sent to the whole
     process group (scancel, timeout, a closed terminal), they would kill it mid-batch, and the
@@ -2217,16 +2225,19 @@ def rate(n, seconds):
 def progress(loader, what):
     """The loader's batches, and a progress line at least every PROGRESS_SECONDS."""
     t0 = last = time.time()
-    images = 0
-    for batch in loader:
-        yield batch
-        images += len(batch[2]) if batch[0] is None else len(batch[0])
-        if time.time() - last > PROGRESS_SECONDS:
-            last = time.time()
-            print(
-                f"  {what}: {images}/{len(loader.dataset)} images, {rate(images, last - t0)}",
-                flush=True,
-            )
+    images, batches = 0, iter(loader)
+    try:
+        for batch in batches:
+            yield batch
+            images += len(batch[2]) if batch[0] is None else len(batch[0])
+            if time.time() - last > PROGRESS_SECONDS:
+                last = time.time()
+                print(
+                    f"  {what}: {images}/{len(loader.dataset)} images, {rate(images, last - t0)}",
+                    flush=True,
+                )
+    finally:  # the workers stop with the loop, an error's too (see stop_workers)
+        stop_workers(batches)
 
 
 def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
@@ -2235,32 +2246,36 @@ def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
     correct, scored = torch.zeros(2, groups, dtype=torch.long, device=args.device)
     unreadable, t0 = [], time.time()
     last = t0
-    for i, (x, y, bad) in enumerate(loader):
-        if STOP:  # a signal a DataLoader worker swallowed stops the run all the same
-            raise KeyboardInterrupt
-        for path in bad:
-            print(f"  unreadable, skipped: {path}", flush=True)
-        unreadable += bad
-        if x is None:  # none of the batch decodes: all gray, as each alone would be (a batch
-            # skipped would change the windows and the count of steps: they read one file)
-            x, y = torch.zeros(len(bad), *shape), torch.full((len(bad),), -1)
-        x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
-        if lookup is not None:  # ImageNet-1k index -> its index among the classes scored
-            y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
-        group = torch.where(y >= 0, y // Mixed.TAG, 0)
-        y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1) are never scored
-        with autocast(args):
-            logits = adapter(x)
-        stop_unless_finite(adapter, f"batch {i + 1} of {label}", logits)
-        correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
-        scored += torch.bincount(group[y >= 0], minlength=groups)
-        if (i + 1) % args.log_every == 0 or time.time() - last > PROGRESS_SECONDS:
-            last, seen = time.time(), scored.sum().item()
-            top1 = 100 * correct.sum().item() / max(seen, 1)
-            print(
-                f"  {label} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% {rate(seen, last - t0)}",
-                flush=True,
-            )
+    batches = iter(loader)
+    try:
+        for i, (x, y, bad) in enumerate(batches):
+            if STOP:  # a signal a DataLoader worker swallowed stops the run all the same
+                raise KeyboardInterrupt
+            for path in bad:
+                print(f"  unreadable, skipped: {path}", flush=True)
+            unreadable += bad
+            if x is None:  # none of the batch decodes: all gray, as each alone would be (a batch
+                # skipped would change the windows and the count of steps: they read one file)
+                x, y = torch.zeros(len(bad), *shape), torch.full((len(bad),), -1)
+            x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
+            if lookup is not None:  # ImageNet-1k index -> its index among the classes scored
+                y = torch.where(y >= 0, lookup[y.clamp(min=0)], y)
+            group = torch.where(y >= 0, y // Mixed.TAG, 0)
+            y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1) are never scored
+            with autocast(args):
+                logits = adapter(x)
+            stop_unless_finite(adapter, f"batch {i + 1} of {label}", logits)
+            correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
+            scored += torch.bincount(group[y >= 0], minlength=groups)
+            if (i + 1) % args.log_every == 0 or time.time() - last > PROGRESS_SECONDS:
+                last, seen = time.time(), scored.sum().item()
+                top1 = 100 * correct.sum().item() / max(seen, 1)
+                print(
+                    f"  {label} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% {rate(seen, last - t0)}",
+                    flush=True,
+                )
+    finally:  # the workers stop with the stream, an error's too (see stop_workers)
+        stop_workers(batches)
     with autocast(args):
         adapter.flush()  # the last, partial accumulate window steps too
     stop_unless_finite(adapter, f"the last step of {label}")
@@ -2386,8 +2401,8 @@ def adapt_resumably(args, key, hp_note, state):
         if e.code == 3 and state and os.path.exists(state):  # diverged: nothing to resume
             os.remove(state)
         raise
-    except UnreadableFile as e:  # (from a DataLoader worker: its message holds its traceback)
-        unread = re.search(r"cannot read .*", str(e))[0]
+    except UnreadableFile as e:  # (from a DataLoader worker: its message quotes its traceback)
+        unread = re.findall(r"cannot read [^\n]*", str(e))[-1]
         hint = ": --resume goes on once it reads" if state and os.path.exists(state) else ""
         fail(f"{unread}; stopped before stepping on its batch{hint}", 4)
     except KeyboardInterrupt:

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import warnings
@@ -2925,6 +2926,38 @@ def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tm
     os.utime(locked, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert dptta.main(argv + ["--out", str(out)]) == 0
     assert final_record(out)["drift"] == final_record(tmp_path / "whole.jsonl")["drift"]
+
+
+def test_a_file_unreadable_in_a_loader_worker_ends_the_run_without_a_hang(tree, tmp_path):
+    """With loader workers (the default) a read that fails raises in a worker, and its error
+    left the workers to Python's exit, which sent them a SIGTERM they ignore
+    (leave_stops_to_the_run) and waited for them, forever (a grid's cell hung), and the line
+    quoted the worker's traceback. Now: exit 4 in one line naming the file, promptly."""
+    root = tmp_path / "c"
+    shutil.copytree(tree[0], root)
+    locked = sorted((root / "shot_noise" / "5").rglob("*.JPEG"))[5]
+    driver = tmp_path / "driver.py"  # dptta's CLI, with the file made a folder mid-run
+    driver.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {HERE!r})
+        import dptta
+        real = dptta.stream_through
+        def stream(adapter, loader, label, **kwargs):
+            if label == "shot_noise":
+                os.remove({str(locked)!r})
+                os.mkdir({str(locked)!r})
+            return real(adapter, loader, label, **kwargs)
+        dptta.stream_through = stream
+        sys.exit(dptta.main(sys.argv[1:]))
+    """))
+    argv = ["--data", root, "--checkpoint", tree[1], "--corruptions", "gaussian_noise,shot_noise",
+            "--model", CLI_MODEL, "--batch-size", 4, "--workers", 2, "--method", "tent",
+            "--out", tmp_path / "r.jsonl"]
+    r = subprocess.run([sys.executable, driver, *map(str, argv)], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    err = r.stderr.strip()
+    assert r.returncode == 4 and len(err.splitlines()) == 1, err
+    assert f"cannot read {locked}: Is a directory; stopped before stepping on its batch" in err
 
 
 def test_resume_refuses_a_stream_whose_files_changed(tree, tmp_path, monkeypatch, capsys):
