@@ -19,7 +19,7 @@
 #   --accumulate so that batch x accumulate = 64),
 #   METHODS ("source tent eata sar deyo deyo_come"), VARIANTS ("plain clip dp"),
 #   EPSILONS ("20 15 10 5 1"), OUT (results.jsonl), TUNE_OUT (tune.jsonl), TUNED (tuned.json),
-#   EXTRA (more dptta.py flags, e.g. "--limit 2000 --fisher-data /data/imagenet-train-2k":
+#   EXTRA (more dptta.py flags, none that a cell sets, e.g. "--limit 2000 --fisher-data DIR":
 #   EATA's Fisher images, public and not ImageNet val, whose photos ImageNet-C is made of;
 #   without it every eata cell runs with no anti-forgetting penalty, and says so),
 #   PYTHON (the interpreter with torch and timm; default python3, e.g. .venv/bin/python).
@@ -268,12 +268,20 @@ fi
 CELLS=$cells_text OUT_FILE=$out "$PYTHON" - $EXTRA <<'PY' || exit 2
 import contextlib, io, os, sys
 import dptta
-# EXTRA's flags as dptta.py reads them (--seed=3, an abbreviation --se 3): none the grid sets
-grids = {"method", "eps", "clip", "lr", "seed", "setting", "out", "resume"}
-given = set(dptta.parse_args(sys.argv[1:]).given)
-for flag in sorted(grids & given):
-    dptta.fail(f"EXTRA sets --{flag}, which the grid sets for each cell")
-if "noise_seed" in given:  # (two cells on the same images, one noise: it cancels)
+# EXTRA's flags as dptta.py reads them (--seed=3, an abbreviation --se 3): none that a cell
+# sets (EXTRA would override it: --batch-size 32 beside BATCHES' --accumulate), nor the batch
+extra = dptta.parse_args(sys.argv[1:])
+grids = {"out", "resume", "batch_size", "accumulate"}  # (BATCHES: the batch and its windows)
+constants = set()  # the cells' --hp constants: EXTRA may add others, not set these
+for cell in os.environ["CELLS"].splitlines():
+    flags = dptta.parse_args(cell.split())
+    grids |= set(flags.given) - {"hp"}
+    constants |= {pair.partition("=")[0] for pair in flags.hp}
+for flag in sorted(grids & set(extra.given)):
+    dptta.fail(f"EXTRA sets --{flag.replace('_', '-')}, which the grid sets for its cells")
+for name in sorted(constants & {pair.partition("=")[0] for pair in extra.hp}):
+    dptta.fail(f"EXTRA sets --hp {name}, which the grid sets for its cells")
+if "noise_seed" in extra.given:  # (two cells on the same images, one noise: it cancels)
     dptta.fail("EXTRA sets --noise-seed: a grid's noise is secret")
 cells = []
 for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks it (quietly)

@@ -3435,7 +3435,13 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
     # every cell checked as dptta.py checks it, before the first: not 66 failing cells
     checked = [((), dict(one_cell, EXTRA=f"{smoke} --seed 3"), "EXTRA sets --seed, which the grid"),
                ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_"),
-               ((), dict(one_cell, EXTRA=f"{smoke} --noise-seed 3"), "a grid's noise is secret")]
+               ((), dict(one_cell, EXTRA=f"{smoke} --noise-seed 3"), "a grid's noise is secret"),
+               # a flag a cell sets would be overridden: the record would not be the grid's
+               ((), dict(one_cell, EXTRA=f"{smoke} --batch-size 32"), "EXTRA sets --batch-size"),
+               (("bn",), dict(SEEDS="0", SETTINGS="continual", EXTRA=f"{smoke}"),
+                "EXTRA sets --model, which the grid sets for its cells"),
+               ((), dict(one_cell, METHODS="sar", EXTRA="--synthetic 2 --hp e_margin=0.3"),
+                "EXTRA sets --hp e_margin")]
     others = [(("--count",), dict(PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHON="python3"), ()),
               (("--dry-run",), dict(METHODS="tent", VARIANTS="dp", EPSILONS=""), ()),
               ((), dict(IMAGENET_C=str(tmp_path / "missing"), METHODS="source", SEEDS="0"), ())]
