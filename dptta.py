@@ -1303,12 +1303,16 @@ class UnreadableFile(OSError):
 
 
 def read_file(path):
-    """The file's bytes; the system's failure to read them is an UnreadableFile, named."""
+    """The file's bytes; the system's failure to read them is an UnreadableFile, named. It is
+    opened without blocking: a FIFO put in its place since the listing would stop the run."""
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as f:
+            data = f.read() if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
     except OSError as e:
         raise UnreadableFile(f"cannot read {path}: {e.strerror}") from e
+    if data is None:
+        raise UnreadableFile(f"cannot read {path}: no longer a regular file")
+    return data
 
 
 def load_rgb(path):
@@ -2328,7 +2332,8 @@ def main(argv=None):
     key = run_key(args)
     run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
     # the run's state after each stream holds the noise stream's key: as secret as the data
-    state = None if args.out == os.devnull else f"{args.out}.{run_hash}.pt"
+    # (by the real path of --out: a run through a symlink to it is the same cell's)
+    state = None if args.out == os.devnull else f"{os.path.realpath(args.out)}.{run_hash}.pt"
     with one_run_of(state):
         return adapt_resumably(args, key, hp_note, state)
 

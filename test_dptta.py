@@ -2889,14 +2889,15 @@ def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp
     assert seeded["ledger"]["noise"] == "replayed" and secret_1["ledger"]["noise"] == "secret"
 
 
-def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tmp_path,
+@pytest.mark.parametrize("becomes", ["a folder", "a FIFO"])
+def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tmp_path, becomes,
                                                                        monkeypatch, capsys):
     """A read that fails is no corrupt image: skipped as one, it would be a gray placeholder in
     the released step, and the real image under the same noise after a resume (two releases
     of one batch, the noise cancelling in their difference). Here a listed file becomes a
-    folder mid-run (unreadable as a file, even to root): the run stops with exit 4, naming
-    it, before its batch is stepped; once it reads again, --resume ends as a run that never
-    stopped."""
+    folder or a FIFO mid-run (unreadable as a file, even to root; a FIFO's read blocked the
+    run for good): the run stops with exit 4, naming it, before its batch is stepped; once it
+    reads again, --resume ends as a run that never stopped."""
     root = tmp_path / "c"
     shutil.copytree(tree[0], root)  # (its files' times kept: the digest of the tree)
     argv = ["--data", str(root), "--checkpoint", str(tree[1])] + RESUMABLE + ["--noise-seed", "3"]
@@ -2908,7 +2909,10 @@ def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tm
     def stream(adapter, loader, label, **kwargs):
         if label == "shot_noise":
             locked.unlink()
-            locked.mkdir()
+            if becomes == "a folder":
+                locked.mkdir()
+            else:
+                os.mkfifo(locked)
         return real(adapter, loader, label, **kwargs)
 
     monkeypatch.setattr(dptta, "stream_through", stream)
@@ -2917,11 +2921,15 @@ def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tm
     with pytest.raises(SystemExit) as e:
         dptta.main(argv + ["--out", str(out)])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 4 and f"cannot read {locked}: Is a directory" in err, err
+    why = {"a folder": "Is a directory", "a FIFO": "no longer a regular file"}[becomes]
+    assert e.value.code == 4 and f"cannot read {locked}: {why}" in err, err
     assert len(err.splitlines()) == 1 and "--resume goes on once it reads" in err
     monkeypatch.undo()
     assert [r["corruption"] for r in records(out)] == ["gaussian_noise"]
-    locked.rmdir()
+    if becomes == "a folder":
+        locked.rmdir()
+    else:
+        locked.unlink()
     locked.write_bytes(saved)
     os.utime(locked, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert dptta.main(argv + ["--out", str(out)]) == 0
@@ -3700,7 +3708,7 @@ def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path, stop)
 def test_a_second_run_of_a_running_cell_is_refused_and_the_lock_goes_with_the_run(tmp_path):
     """A hand run beside a grid, or two --resume of one killed run: the second would release
     the same images again and write every record twice. It is refused in one line while the
-    first lives; the lock file goes when the first ends."""
+    first lives, by any name of its --out (a symlink); the lock file goes when the first ends."""
     out = tmp_path / "r.jsonl"
     argv = ["--synthetic", "400", "--model", CLI_MODEL, "--workers", "0", "--batch-size", "8",
             "--log-every", "1", "--out", str(out)]
@@ -3712,6 +3720,9 @@ def test_a_second_run_of_a_running_cell_is_refused_and_the_lock_goes_with_the_ru
         r = run_main(*argv, "--resume")
         assert r.returncode == 2 and "another run of this cell is running" in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
+        (tmp_path / "link.jsonl").symlink_to(out)  # the same --out by another name
+        r = run_main(*argv[:-1], str(tmp_path / "link.jsonl"))
+        assert r.returncode == 2 and "another run of this cell is running" in r.stderr, r.stderr
     finally:
         p.send_signal(signal.SIGINT)
         p.wait(timeout=60)
