@@ -48,7 +48,7 @@ given=
 for v in SEEDS SETTINGS BATCHES METHODS VARIANTS EPSILONS; do
   if [ -n "${!v+set}" ]; then given="$given $v"; fi
 done
-# (set but empty: an empty grid, refused, never the whole grid)
+# (set but empty: refused, never the whole grid)
 SEEDS=${SEEDS-"0 1 2"}; SETTINGS=${SETTINGS-"continual episodic"}; BATCHES=${BATCHES-64}
 METHODS=${METHODS-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS-"plain clip dp"}
 EPSILONS=${EPSILONS-"20 15 10 5 1"}
@@ -138,10 +138,23 @@ for name in os.environ["GIVEN"].split():
         print(f"run_imagenet_c.sh: the {stage} stage does not read {name} (it runs "
               f"{runs[stage]}): unset it", file=sys.stderr)
         sys.exit(2)
-if stage == "tune" and "SEEDS" in os.environ["GIVEN"].split() and len(env["SEEDS"]) > 1:
-    print("run_imagenet_c.sh: the tune stage runs one seed: SEEDS=one seed", file=sys.stderr)
+def refuse(why):
+    print(f"run_imagenet_c.sh: {why}", file=sys.stderr)
     sys.exit(2)
+
+
+given = os.environ["GIVEN"].split()
+for name in given:  # set but empty: a part of the grid would go, silently
+    if not env[name]:
+        refuse(f"{name} is set but empty: unset it, or give it values")
+if stage == "tune" and "SEEDS" in given and len(env["SEEDS"]) > 1:
+    refuse("the tune stage runs one seed: SEEDS=one seed")
 methods = [m for m in env["METHODS"] if m != "source"]
+if "EPSILONS" in given and "dp" not in env["VARIANTS"]:
+    refuse("EPSILONS is for the dp variant, which VARIANTS leaves out")
+for name in ("VARIANTS", "EPSILONS", "BATCHES"):  # source has no variant, ε or window
+    if name in given and not methods:
+        refuse(f"{name}: METHODS has no method but source")
 
 
 def chosen(key, paper):  # (C, lr): the paper's, or with --tuned the tune stage's, none missing

@@ -3439,7 +3439,11 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
                (("wild",), dict(EPSILONS="1"), "the wild stage does not read EPSILONS"),
                (("wild",), dict(SETTINGS="episodic"), "does not read SETTINGS"),
                (("tune",), dict(BATCHES="16"), "the tune stage does not read BATCHES"),
-               (("tune",), dict(SEEDS="0 1"), "the tune stage runs one seed")]
+               (("tune",), dict(SEEDS="0 1"), "the tune stage runs one seed"),
+               # set, and so meant, but without effect: refused, never dropped
+               ((), dict(METHODS="tent", VARIANTS="dp", EPSILONS=""), "EPSILONS is set but empty"),
+               ((), dict(VARIANTS="plain", EPSILONS="1"), "EPSILONS is for the dp variant"),
+               ((), dict(METHODS="source", BATCHES="16"), "BATCHES: METHODS has no method but")]
     # every cell checked as dptta.py checks it, before the first: not 66 failing cells
     checked = [((), dict(one_cell, EXTRA=f"{smoke} --seed 3"), "EXTRA sets --seed, which the grid"),
                ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_"),
