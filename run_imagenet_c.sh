@@ -365,13 +365,20 @@ for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 trap - INT TERM HUP
 
 if [ $stage = tune ]; then  # per setting, method and column: the (C, lr) with the best mean
-  "$PYTHON" - "$TUNE_OUT" "$TUNED" <<'PY'
-import json, sys
-best = {}
+  # shellcheck disable=SC2086
+  CELLS=$cells_text OUT_FILE=$out "$PYTHON" - "$TUNE_OUT" "$TUNED" $EXTRA <<'PY'
+import contextlib, io, json, os, sys
 import dptta
+# this grid's cells' run keys: a record of another run in TUNE_OUT (another model, --limit,
+# batch, the test stream's corruptions) is never chosen from
+keys = set()
+for cell in os.environ["CELLS"].splitlines():
+    argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[3:]
+    with contextlib.redirect_stdout(io.StringIO()):
+        keys.add(json.dumps(dptta.run_key(dptta.check_args(dptta.parse_args(argv))), sort_keys=True))
+best = {}
 for _, r in dptta.read_jsonl(sys.argv[1], "the tune stage's"):  # a damaged line: skipped
-    held_out = r.get("key", {}).get("corruptions") == list(dptta.HELD_OUT)
-    if r.get("mode") != "adapt" or r.get("smoke") or not held_out:  # never the test stream
+    if r.get("mode") != "adapt" or json.dumps(r.get("key"), sort_keys=True) not in keys:
         continue
     m, private = r["method"].removeprefix("dp_"), r["method"].startswith("dp_")
     key = f"{r['setting']}/{m}/{r['eps']:g}" if private else f"{r['setting']}/{m}/clip-only"

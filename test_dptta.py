@@ -3473,20 +3473,31 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
     assert "cells" not in missing.stdout
 
 
-def test_the_tune_stage_chooses_on_the_held_out_corruptions_only(tmp_path):
-    """A record of the test corruptions in TUNE_OUT (an earlier run, or TUNE_OUT=$OUT) would
-    tune C and lr on the test stream: the picker reads held-out runs only."""
+def test_the_tune_stage_chooses_among_its_own_cells_runs_only(tmp_path, capsys):
+    """TUNE_OUT may hold other runs: of the test corruptions (an earlier run, or TUNE_OUT=$OUT:
+    C and lr tuned on the test stream), of another model, of a --limit'ed quick tune. The
+    picker chooses among the runs whose key is one of this grid's cells' only; it chose among
+    every held-out run before, whatever its model or --limit."""
     fake = tmp_path / "python"  # the cells themselves do nothing here: the records are given
     fake.write_text(f'#!/bin/sh\ncase "$1" in -) exec {sys.executable} "$@" ;; esac\nexit 0\n')
     fake.chmod(0o755)
-    def run(corruptions, mean, clip):
+    tune_out, extra = tmp_path / "tune.jsonl", ["--synthetic", "2", "--model", CLI_MODEL]
+    cell = ["--method", "tent", "--clip", "1", "--lr", "0.1", "--setting", "continual", "--seed",
+            "0", "--corruptions", ",".join(dptta.HELD_OUT), "--out", str(tune_out), "--resume"]
+
+    def run(mean, clip, **changes):  # a record of the cell at C = clip, with the key changed
+        argv = cell + extra
+        argv[argv.index("--clip") + 1] = str(clip)
+        key = dptta.run_key(dptta.check_args(dptta.parse_args(argv)))
         return dict(mode="adapt", method="tent", setting="continual", eps=None, mean=mean,
-                    clip=clip, lr=0.1, key=dict(corruptions=corruptions))
-    tune_out = tmp_path / "tune.jsonl"
-    tune_out.write_text(json.dumps(run(list(dptta.HELD_OUT), 50.0, 1)) + "\n"
-                        + json.dumps(run(list(dptta.CORRUPTIONS), 90.0, 5)) + "\n")
+                    clip=clip, lr=0.1, key=dict(key, **changes))
+
+    tune_out.write_text("".join(json.dumps(record) + "\n" for record in (
+        run(50.0, 1), run(90.0, 5, corruptions=list(dptta.CORRUPTIONS)),
+        run(95.0, 10, model="vit_small_patch16_224"), run(99.0, 15, limit=200))))
+    capsys.readouterr()
     r = grid("tune", METHODS="tent", VARIANTS="clip", SEEDS="0", SETTINGS="continual",
-             EXTRA=f"--synthetic 2 --model {CLI_MODEL}", TUNE_OUT=str(tune_out),
+             EXTRA=" ".join(extra), TUNE_OUT=str(tune_out),
              TUNED=str(tmp_path / "tuned.json"), PYTHON=str(fake), PATH="/usr/bin:/bin")
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "tuned.json").read_text()) == {"continual/tent/clip-only": [1, 0.1]}
