@@ -1262,6 +1262,7 @@ class DPNorm(DPTTA):
 # Part II: ImageNet-C from the command line (data, the paper's values, records, main)
 import argparse
 import fcntl
+import functools
 import io
 import json
 import signal
@@ -1979,6 +1980,17 @@ def build_model(name, checkpoint=None, random_weights=False, seed=0):
 
 # ----------------------------------------------------------------------------
 # Records: whole lines of standard JSON, appended; a run's state, saved after each stream
+@functools.lru_cache
+def checkpoint_digest(path, size, mtime_ns):
+    """SHA-256 of a checkpoint's bytes, read once per process for a (path, size, time): the
+    grid keys each of its cells by it."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(partial(f.read, 2**24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def run_key(args):
     """Everything that changes a result (the seed too: --summarize groups seeds)."""
     names = (
@@ -1990,11 +2002,10 @@ def run_key(args):
         key["weights"], key["data"] = "random", f"synthetic:{args.synthetic}"
     else:
         key["weights"], key["data"] = "pretrained", os.path.realpath(args.data)
-    if args.checkpoint:
+    if args.checkpoint:  # by its bytes: a touched or copied checkpoint is the same weights
         st = os.stat(args.checkpoint)
-        key["weights"] = dict(
-            checkpoint=os.path.realpath(args.checkpoint), bytes=st.st_size, mtime=int(st.st_mtime)
-        )
+        digest = checkpoint_digest(os.path.realpath(args.checkpoint), st.st_size, st.st_mtime_ns)
+        key["weights"] = dict(checkpoint_sha256=digest)
     key["fisher_data"] = None if args.fisher_data is None else os.path.realpath(args.fisher_data)
     return json.loads(json.dumps(jsonable(key)))  # as it reads back: lists, not tuples
 

@@ -3132,12 +3132,15 @@ def test_resume_key_covers_the_weights(tree, tmp_path):
     adapt(tree, out, "--method", "source")
     r, _ = adapt(tree, out, "--method", "source", "--resume")
     assert "already in" in r.stdout
-    other = tmp_path / "other.pth"
-    other.write_bytes(ckpt.read_bytes())
-    r = run_main("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL,
-            "--checkpoint", other, "--batch-size", 4, "--workers", 0, "--out", out,
-            "--method", "source", "--resume")
-    assert r.returncode == 0 and "already in" not in r.stdout  # other weights: a new run
+    other, copied = tmp_path / "other.pth", tmp_path / "copied.pth"
+    torch.manual_seed(1)
+    torch.save(timm.create_model(CLI_MODEL, pretrained=False).state_dict(), other)
+    copied.write_bytes(ckpt.read_bytes())  # a copy (a new path and time): the same weights
+    for weights, same in ((other, False), (copied, True)):
+        r = run_main("--data", root, "--corruptions", "gaussian_noise,shot_noise", "--model",
+                     CLI_MODEL, "--checkpoint", weights, "--batch-size", 4, "--workers", 0,
+                     "--out", out, "--method", "source", "--resume")
+        assert r.returncode == 0 and ("already in" in r.stdout) == same  # other weights: new
     r, _ = adapt(tree, out, "--method", "source", "--resume", "--seed", "1")
     assert "already in" not in r.stdout
     link = tmp_path / "link"  # the same folder and weights by another path: the same run
