@@ -2402,6 +2402,7 @@ def adapt_resumably(args, key, hp_note, state):
         fail(
             f"--resume: {args.out} holds corruption records of this run but not its state ({state}): it cannot go on without releasing their images again; {NEW_RUN}"
         )
+    status = {}  # the run's bookkeeping, "run", as it goes (adapt_and_record)
     # (SIGHUP: a dropped ssh session)
     handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     STOP.clear()
@@ -2412,7 +2413,7 @@ def adapt_resumably(args, key, hp_note, state):
                     tempfile.TemporaryDirectory(prefix="dptta-synthetic-")
                 )
                 make_synthetic_tree(args.data, args.corruptions, args.severity, args.synthetic)
-            return adapt_and_record(args, key, hp_note, state, resume, mine)
+            return adapt_and_record(args, key, hp_note, state, resume, mine, status)
     except SystemExit as e:
         if e.code == 3 and state and os.path.exists(state):  # diverged: nothing to resume
             os.remove(state)
@@ -2422,17 +2423,18 @@ def adapt_resumably(args, key, hp_note, state):
         hint = ": --resume goes on once it reads" if state and os.path.exists(state) else ""
         fail(f"{unread}; stopped before stepping on its batch{hint}", 4)
     except KeyboardInterrupt:
-        signum = STOP[0] if STOP else signal.SIGINT
-        done = "no corruption finished"
-        if os.path.exists(args.out) and args.out != os.devnull:
-            done = f"finished corruptions are in {args.out}"
+        name = signal.Signals(STOP[0] if STOP else signal.SIGINT).name
+        if status.get("run", {}).get("final"):  # after the final record: the run is whole
+            if state and os.path.exists(state):
+                os.remove(state)
+            print(f"dptta: {name} after the run's final record: it is complete", file=sys.stderr)
+            return 0
+        done = status.get("run", {}).get("done", [])
+        recorded = f"{len(done)} stream(s) recorded in {args.out}" if done else "no stream recorded"
         resumable = state is not None and os.path.exists(state)
         how = "--resume goes on" if resumable else "nothing to resume"
-        print(
-            f"dptta: stopped by {signal.Signals(signum).name}; {done}, no final record ({how})",
-            file=sys.stderr,
-        )
-        return 128 + signum
+        print(f"dptta: stopped by {name}; {recorded}, no final record ({how})", file=sys.stderr)
+        return 128 + (STOP[0] if STOP else signal.SIGINT)
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
@@ -2493,8 +2495,9 @@ def open_run(args):
     return streams, folders, fisher_loader, model, config, lookup
 
 
-def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
-    """Opens every input, then adapts: records and saves after each stream, then the run."""
+def adapt_and_record(args, key, hp_note, state, resume, mine, status):
+    """Opens every input, then adapts: records and saves after each stream, then the run.
+    status["run"]: the run's bookkeeping as it goes (what a signal's message reads)."""
     streams, folders, fisher_loader, model, config, lookup = open_run(args)
     hp = {k: v for k, v in args.hp.items() if k != "fisher_size"}
     # the flags DPTTA takes as they are, then those the CLI counts or defaults for it
@@ -2550,6 +2553,7 @@ def adapt_and_record(args, key, hp_note, state, resume=None, mine=()):
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine, run["data"])
     start = time.time() - run["wall"]
+    status["run"] = run
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
         save_state(state, run_state(run, adapter), first=True)
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
@@ -2672,6 +2676,7 @@ def finish(args, run, streams, adapter, ledger, hp_note, start):
     if run["unreadable"]:
         print(f"{len(run['unreadable'])} unreadable image(s) skipped in all")
     append_jsonl(args.out, record)
+    run["final"] = True  # a signal from here on finds the run complete
     print(f"mean top-1 {mean:.2f}% | {rate(images, wall)} | {wall:.0f} s | appended to {args.out}")
 
 

@@ -2831,6 +2831,32 @@ def killed_in(corruption, monkeypatch, where="stream"):
     monkeypatch.setattr(dptta, "save_state", save)
 
 
+def test_a_signal_says_what_the_run_recorded_and_after_its_final_record_it_is_complete(
+        tree, tmp_path, monkeypatch, capsys):
+    """Stopped in its first stream with --out already there (a grid makes it for its lock),
+    the run said "finished corruptions are in OUT"; stopped between its final record and the
+    removal of its state, it said "no final record" and left the secret state behind. It says
+    what this run recorded; after its final record it is complete: exit 0, no state."""
+    root, ckpt = tree
+    out = tmp_path / "r.jsonl"
+    out.touch()
+    argv = ["--data", str(root), "--checkpoint", str(ckpt), "--out", str(out)] + RESUMABLE
+    killed_in("gaussian_noise", monkeypatch)
+    assert dptta.main(argv) == 130
+    monkeypatch.undo()
+    assert "stopped by SIGINT; no stream recorded, no final record" in capsys.readouterr().err
+    real = dptta.finish
+
+    def finish(*args, **kwargs):  # a signal as the run's final record is out
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dptta, "finish", finish)
+    assert dptta.main(argv) == 0  # (--resume: after the first, killed run)
+    assert "SIGINT after the run's final record: it is complete" in capsys.readouterr().err
+    assert final_record(out)["mode"] == "adapt" and not list(tmp_path.glob("r.jsonl.*.pt"))
+
+
 def test_a_fresh_run_over_a_killed_runs_state_says_that_both_count(tree, tmp_path, monkeypatch,
                                                                     capsys):
     """Without --resume a run of a killed cell starts afresh, with fresh noise on the images
@@ -3718,7 +3744,7 @@ def test_ctrl_c_ends_a_run_with_no_final_record_and_no_temp_tree(tmp_path, stop)
     err = p.stderr.read()
     states = list(tmp_path.glob("r.jsonl.*.pt"))  # (none if stopped before its first save)
     assert f"stopped by {stop.name}" in err and ("(--resume goes on)" in err) == bool(states), err
-    assert out.exists() or "no corruption finished" in err  # (not "... are in r.jsonl")
+    assert "no stream recorded" in err or "stream(s) recorded in" in err  # (from the run itself)
     assert not list(tmp_path.glob("dptta-synthetic-*"))
     assert not out.exists() or not any(x["mode"] == "adapt" for x in records(out))
 
