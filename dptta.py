@@ -2329,6 +2329,19 @@ def main(argv=None):
     if args.audit:
         return audit_cli(args)
     check_args(args)
+    hp_note = fill_in_hparams(args)
+    key = run_key(args)
+    run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
+    # the run's state after each stream holds the noise stream's key: as secret as the data
+    # (by the real path of --out: a run through a symlink to it is the same cell's)
+    state = None if args.out == os.devnull else f"{os.path.realpath(args.out)}.{run_hash}.pt"
+    with one_run_of(state):
+        return adapt_resumably(args, key, hp_note, state)
+
+
+def fill_in_hparams(args):
+    """--clip and --lr not given: the paper's tuned values, or one line where it has none.
+    Returns where each came from."""
     tuned_on = "continual" if args.setting == "mixed" else args.setting
     C, lr, source = paper_hparams(args.method, args.eps, tuned_on, args.clip)
     hp_note = {k: "given" if getattr(args, k) else source for k in ("clip", "lr")}
@@ -2340,13 +2353,7 @@ def main(argv=None):
     if record.step in ("plain", "sam"):  # a gradient step needs an lr, and dp_ a clip
         require(args.lr, f"{args.method}: {source}; pass --lr (and --clip for dp_)")
         require(args.clip or not record.private, f"{args.method}: {source}; pass --clip")
-    key = run_key(args)
-    run_hash = uuid.uuid5(uuid.NAMESPACE_OID, json.dumps(key, sort_keys=True))
-    # the run's state after each stream holds the noise stream's key: as secret as the data
-    # (by the real path of --out: a run through a symlink to it is the same cell's)
-    state = None if args.out == os.devnull else f"{os.path.realpath(args.out)}.{run_hash}.pt"
-    with one_run_of(state):
-        return adapt_resumably(args, key, hp_note, state)
+    return hp_note
 
 
 @contextlib.contextmanager
@@ -2469,6 +2476,23 @@ def open_run(args):
     transform = timm.data.create_transform(**config)
     for folder in folders.values():
         folder.transform = transform
+    check_fits(args, model, config, streams)
+    lookup = None
+    if args.dataset == "imagenet_r":  # the 1000-way head read at the classes present
+        classes = sorted(set(streams["imagenet_r"].imagenet_index))
+        scored = torch.as_tensor(classes, device=args.device)
+        model.register_forward_hook(lambda m, x, out: out[:, scored])
+        lookup = torch.full((1000,), -1, device=args.device)
+        lookup[classes] = torch.arange(len(classes), device=args.device)
+    model = model.to(args.device)
+    if args.device == "cuda" and not hasattr(model, "blocks"):  # conv trunks like channels_last
+        model = model.to(memory_format=torch.channels_last)
+    return streams, folders, fisher_loader, model, config, lookup
+
+
+def check_fits(args, model, config, streams):
+    """The run's flags against its model and data, before the first image (the grid checks
+    each cell's before its first cell)."""
     side = min(config["input_size"][1:])
     require(
         args.hp.get("patch_grid", 1) <= side,
@@ -2478,39 +2502,40 @@ def open_run(args):
     require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm")
     if args.clip is not None and METHODS[args.method].step in ("plain", "sam"):
         check_batchnorm(model, args.model, args.method, args.bn)
-    lookup, logits = None, getattr(model, "num_classes", 0)
-    if args.dataset == "imagenet_r":  # the 1000-way head read at the classes present
-        classes = sorted(set(streams["imagenet_r"].imagenet_index))
-        scored = torch.as_tensor(classes, device=args.device)
-        model.register_forward_hook(lambda m, x, out: out[:, scored])
-        lookup, logits = torch.full((1000,), -1, device=args.device), len(classes)
-        lookup[classes] = torch.arange(len(classes), device=args.device)
+    logits = getattr(model, "num_classes", 0)
+    if args.dataset == "imagenet_r":  # scored at the classes present
+        logits = len(set(streams["imagenet_r"].imagenet_index))
     require(
         args.hp.get("num_classes", logits) >= logits,
         f"--hp num_classes={args.hp.get('num_classes')} is below the model's {logits} logits",
     )
-    model = model.to(args.device)
-    if args.device == "cuda" and not hasattr(model, "blocks"):  # conv trunks like channels_last
-        model = model.to(memory_format=torch.channels_last)
-    return streams, folders, fisher_loader, model, config, lookup
+
+
+def make_adapter(args, model, config):
+    """The run's DPTTA, as its flags ask, or one line and exit 2 (dp_norm: its layers'
+    releases counted on a data-free forward)."""
+    hp = {k: v for k, v in args.hp.items() if k != "fisher_size"}
+    # the flags DPTTA takes as they are, then those the CLI counts or defaults for it
+    given = "eps clip lr seed noise_seed accumulate".split()
+    kwargs = {k: getattr(args, k) for k in given}
+    # a photo's versions: in k steps (k streams), or one at worst (mixed)
+    photo = photo_factor(len(args.corruptions), args.setting == "mixed")
+    kwargs["repeats"] = args.repeat * (photo if args.privacy_unit == "photo" else 1)
+    kwargs["delta"] = 1e-6 if args.delta is None else args.delta
+    kwargs["bn"] = "train" if args.bn is None else args.bn
+    adapter = or_fail(DPTTA, model, args.method, **kwargs, **hp)
+    if adapter.bn_src:  # dp_norm: one release per layer, refused before the first image
+        device = next(model.parameters()).device
+        or_fail(adapter.check_releases, torch.zeros(1, *config["input_size"], device=device))
+    return adapter
 
 
 def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     """Opens every input, then adapts: records and saves after each stream, then the run.
     status["run"]: the run's bookkeeping as it goes (what a signal's message reads)."""
     streams, folders, fisher_loader, model, config, lookup = open_run(args)
-    hp = {k: v for k, v in args.hp.items() if k != "fisher_size"}
-    # the flags DPTTA takes as they are, then those the CLI counts or defaults for it
-    given = "eps clip lr seed noise_seed accumulate".split()
-    kwargs = {k: getattr(args, k) for k in given}
+    adapter = make_adapter(args, model, config)
     mixed = args.setting == "mixed"
-    photo = photo_factor(len(streams), mixed)  # a photo's versions: in k steps, or one at worst
-    kwargs["repeats"] = args.repeat * (photo if args.privacy_unit == "photo" else 1)
-    kwargs["delta"] = 1e-6 if args.delta is None else args.delta
-    kwargs["bn"] = "train" if args.bn is None else args.bn
-    adapter = or_fail(DPTTA, model, args.method, **kwargs, **hp)
-    if adapter.bn_src:  # dp_norm: one release per layer, refused before the first image
-        or_fail(adapter.check_releases, torch.zeros(1, *config["input_size"], device=args.device))
     if fisher_loader is not None:
         clean_images = len(fisher_loader.dataset)
         print(f"EATA's Fisher information on {clean_images} clean images ...", flush=True)

@@ -30,8 +30,9 @@
 # The paper's constants are passed where they differ from the originals' (--hp e_margin=0.5
 # for SAR, --hp plpd_threshold=0.3 for DeYO; see PAPER_CONSTANTS in dptta.py).
 # Ctrl-C, SIGTERM or SIGHUP stops every worker and the cell each is running. Every cell is
-#   checked as dptta.py checks it before the first one runs; a cell that fails later is named,
-#   the others run, and the grid exits 1 after the summary.
+#   checked as dptta.py checks it before the first one runs (its flags, folders, weights, and
+#   its kind's adapter, built on a copy of its model); a cell that fails later is named, the
+#   others run, and the grid exits 1 after the summary.
 # Time (an estimate, not measured here): ViT-B/16 in bf16 on one H100-class GPU streams
 #   roughly 1,000 images/s; a cell is 15 x 50,000 images, ~13 min. The main grid is
 #   (1 source + 5 methods x 7 columns) x 2 settings = 72 cells per seed, ~16 GPU-hours per seed.
@@ -279,12 +280,13 @@ fi
 # each cell would otherwise spend a minute in download retries and fail)
 # shellcheck disable=SC2086  # a cell and EXTRA are lists of flags: split them into words
 CELLS=$cells_text OUT_FILE=$out "$PYTHON" - $EXTRA <<'PY' || exit 2
-import contextlib, io, os, sys
+import contextlib, copy, gc, io, os, sys
+import timm
 import dptta
 # EXTRA's flags as dptta.py reads them (--seed=3, an abbreviation --se 3): none that a cell
-# sets (EXTRA would override it: --batch-size 32 beside BATCHES' --accumulate), nor the batch
+# sets (EXTRA would override it: --batch-size 32 beside BATCHES=16's --accumulate 4)
 extra = dptta.parse_args(sys.argv[1:])
-grids = {"out", "resume", "batch_size", "accumulate"}  # (BATCHES: the batch and its windows)
+grids = {"out", "resume"}
 constants = set()  # the cells' --hp constants: EXTRA may add others, not set these
 for cell in os.environ["CELLS"].splitlines():
     flags = dptta.parse_args(cell.split())
@@ -301,18 +303,29 @@ for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks
     argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[1:]
     with contextlib.redirect_stdout(io.StringIO()):
         cells.append(dptta.check_args(dptta.parse_args(argv)))
-args = cells[0]  # (check_args has checked the data root and filled in each cell's model)
-if not args.synthetic:  # each model's weights, then each cell's folders and Fisher images
-    for model, checkpoint in sorted({(cell.model, cell.checkpoint) for cell in cells}, key=str):
-        dptta.build_model(model, checkpoint)  # fetched or loaded once, or one line
-    opened = set()
-    for cell in cells:
+        dptta.fill_in_hparams(cells[-1])  # (the paper's C and lr where the cell gives none)
+models, opened, built = {}, {}, set()
+for cell in cells:  # its weights, its folders and Fisher images, its flags against its model
+    weights = (cell.model, cell.checkpoint)
+    if weights not in models:  # fetched or loaded once, or one line (smoke runs: random)
+        models[weights] = dptta.build_model(cell.model, cell.checkpoint, bool(cell.synthetic))
+    model, streams = models[weights], None
+    if not cell.synthetic:  # (a smoke run makes its own tree)
         fisher_seed = cell.seed if cell.fisher_data else None  # (its Fisher images: its seed's)
         inputs = (cell.data, tuple(cell.corruptions), cell.severity, cell.fisher_data, fisher_seed)
         if inputs not in opened:
-            opened.add(inputs)
             with contextlib.redirect_stdout(io.StringIO()):
-                dptta.open_inputs(cell)
+                opened[inputs] = dptta.open_inputs(cell)[0]
+        streams = opened[inputs]
+    config = timm.data.resolve_data_config({}, model=model)
+    dptta.check_fits(cell, model, config, streams)
+    # its adapter, on a copy of the model: once per kind of cell (C and lr: checked above)
+    kind = (weights, cell.method, cell.eps, cell.delta, cell.bn, cell.clip is None, str(cell.hp),
+            cell.accumulate, cell.repeat, cell.privacy_unit, cell.setting, len(cell.corruptions))
+    if kind not in built:
+        built.add(kind)
+        dptta.make_adapter(cell, copy.deepcopy(model), config)
+        gc.collect()  # (the copy goes with the adapter)
 PY
 
 # shellcheck disable=SC2086

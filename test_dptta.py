@@ -3478,11 +3478,18 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
                ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_"),
                ((), dict(one_cell, EXTRA=f"{smoke} --noise-seed 3"), "a grid's noise is secret"),
                # a flag a cell sets would be overridden: the record would not be the grid's
-               ((), dict(one_cell, EXTRA=f"{smoke} --batch-size 32"), "EXTRA sets --batch-size"),
+               ((), dict(one_cell, BATCHES="16", EXTRA=f"{smoke} --batch-size 32"),
+                "EXTRA sets --batch-size"),
                (("bn",), dict(SEEDS="0", SETTINGS="continual", EXTRA=f"{smoke}"),
                 "EXTRA sets --model, which the grid sets for its cells"),
                ((), dict(one_cell, METHODS="sar", EXTRA="--synthetic 2 --hp e_margin=0.3"),
-                "EXTRA sets --hp e_margin")]
+                "EXTRA sets --hp e_margin"),
+               # the cells' flags against their model, and their adapters, before the first
+               ((), dict(one_cell, EXTRA=f"{smoke} --bn source"), "has no BatchNorm"),
+               ((), dict(one_cell, EXTRA="--synthetic 2 --model resnet18"),
+                "resnet18 has BatchNorm, which normalizes with the test batch"),
+               (("tune",), dict(one_cell, VARIANTS="dp", EPSILONS="50", EXTRA=smoke,
+                                TUNE_OUT=str(tmp_path / "t.jsonl")), "too small for the sampler")]
     others = [(("--count",), dict(PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHON="python3"), ()),
               (("--dry-run",), dict(METHODS="tent", VARIANTS="dp", EPSILONS=""), ()),
               ((), dict(IMAGENET_C=str(tmp_path / "missing"), METHODS="source", SEEDS="0"), ())]
