@@ -1908,7 +1908,8 @@ def check_out(args, default):
         require(
             os.path.isfile(args.out), f"--out {args.out} is not a regular file (a FIFO, a device?)"
         )
-        require(os.access(args.out, os.W_OK | os.R_OK), f"--out {args.out} is not writable")
+        readable = os.access(args.out, os.W_OK | os.R_OK)  # (read: for --resume, and below)
+        require(readable, f"--out {args.out} is not readable and writable")
         with open(args.out, "rb") as f:  # records go after records: never onto another file
             first = f.readline(1 << 20).strip(b" \t\r\n\x00")  # (a crash's NULs: a JSONL)
         require(not first or first.startswith(b"{"), f"--out {args.out} is not a JSONL file")
