@@ -2799,11 +2799,16 @@ def summarize(path, per_corruption=False, error=False):
         if r["key"]["seed"] in seeds:
             duplicates += 1
         seeds[r["key"]["seed"]] = r
+    shown = {"dataset", "severity", "model", "setting", "batch_size", "order", "repeat"}
+    apart = set()  # the fields, not in a header, that tell two tables apart (dtype, weights)
+    for k in {field for table in tables for field in json.loads(table)} - shown:
+        if len({json.dumps(json.loads(table).get(k), sort_keys=True) for table in tables}) > 1:
+            apart.add(k)
     for table, cells in tables.items():
         runs_of = [list(seeds.values()) for seeds in cells.values()]  # a cell's runs, a seed each
-        print_table(json.loads(table), runs_of, error)
+        labels = print_table(json.loads(table), runs_of, error, sorted(apart))
         if per_corruption:
-            print_per_corruption(runs_of, error)
+            print_per_corruption(runs_of, labels, error)
     if duplicates:
         print(f"\n{duplicates} record(s) repeat the seed of an earlier one: latest used")
     others = [r for r in finals if r not in full]
@@ -2812,29 +2817,36 @@ def summarize(path, per_corruption=False, error=False):
     for r in others:
         key = r["key"]
         why = "smoke" if r.get("smoke") else f"limit {key.get('limit')}"
-        print(
-            f"  {key['method']} {variant_of(key)} seed {key['seed']} ({why}): mean {r['mean']:.1f}"
-        )
+        print(f"  {run_label(key)} ({why}): mean {r['mean']:.1f}")
     if unfinished:
         print("\nunfinished runs (no final record; finished corruptions only):")
     for rs in unfinished.values():
         key, shown = rs[0]["key"], ", ".join(f"{r['corruption']} {r['accuracy']:.1f}" for r in rs)
-        done = f"{len(rs)}/{len(key['corruptions'])} corruptions"
-        print(f"  {key['method']} eps={key['eps']} seed {key['seed']}: {done}: {shown}")
+        streams = len(key["corruptions"]) * key.get("repeat", 1)  # a record per corruption, round
+        smoke = " (smoke)" if rs[0].get("smoke") else ""
+        print(f"  {run_label(key)}{smoke}: {len(rs)}/{streams} corruptions: {shown}")
     if not finals and not unfinished:
         print(f"no adaptation runs in {path}")
     return 0
 
 
-def print_table(k, cells, error):
+def run_label(key):
+    """A run outside the tables, as a line names it: method, variant, C, lr, seed."""
+    return f"{key['method']} {variant_of(key)} C={key['clip']} lr={key['lr']} seed {key['seed']}"
+
+
+def print_table(k, cells, error, apart):
     """One setting's table: a row per method, a column per variant; each cell the mean ± std
-    of its seeds. Two cells of one method and variant (a tuning grid) get a row each."""
+    of its seeds. Two cells of one method and variant (a tuning grid) get a row each. The
+    header names, besides the setting, the fields in `apart` (those that tell tables apart).
+    Returns each cell's row label."""
     what = "error %" if error else "top-1 %"
+    others = "".join(f" | {f}={json.dumps(k.get(f), sort_keys=True)}" for f in apart)
     print(
-        f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions | mean {what} over seeds"
+        f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions{others} | mean {what} over seeds"
     )
     entries = [(runs[0]["key"], variant_of(runs[0]["key"]), runs) for runs in cells]
-    rows = {}
+    rows, labels = {}, []
     for key, variant, runs in entries:
         label = str(key["method"]).removeprefix("dp_")
         # cells of one method and variant (a tuning grid; EATA with and without its Fisher data;
@@ -2845,6 +2857,7 @@ def print_table(k, cells, error):
             if flag not in ("method", "eps", "seed") and len(values) > 1:
                 label += f" {flag}={json.dumps(key.get(flag), sort_keys=True)}"
         rows.setdefault(label, {})[variant] = cell([r["mean"] for r in runs], error)
+        labels.append(label)
     order = ["non-private", "clip-only", "ε=inf"] + [f"ε={e:g}" for e in TUNED_EPS]
     present = {variant for _, variant, _ in entries}
     columns = [c for c in order if c in present] + sorted(present - set(order))
@@ -2853,17 +2866,18 @@ def print_table(k, cells, error):
     print(f"{'method':<14}" + "".join(f"{c:>{width}}" for c in columns))
     for label in sorted(rows, key=method_rank):
         print(f"{label:<14}" + "".join(f"{rows[label].get(c, ''):>{width}}" for c in columns))
+    return labels
 
 
-def print_per_corruption(cells, error):
-    """Each cell's corruptions, mean ± std over its seeds."""
+def print_per_corruption(cells, labels, error):
+    """Each cell's corruptions, mean ± std over its seeds, under its row's label."""
     print(f"per corruption, {'error %' if error else 'top-1 %'}:")
-    for runs in cells:
+    for runs, label in zip(cells, labels):
         key, shown = runs[0]["key"], []
         for c in runs[0]["accuracy"]:
             seeds = [r["accuracy"][c] for r in runs if c in r["accuracy"]]
             shown.append(f"{c} {cell(seeds, error)}")
-        print(f"  {key['method']} {variant_of(key)}: " + " | ".join(shown))
+        print(f"  {label} {variant_of(key)}: " + " | ".join(shown))
 
 
 # ----------------------------------------------------------------------------

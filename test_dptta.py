@@ -3913,6 +3913,29 @@ def test_summarize_gives_cells_that_differ_in_any_flag_a_row_each(tmp_path, caps
     assert 'fisher_data="/clean"' in out and "delta=1e-09" in out and "clip=2.0" in out
 
 
+def test_summarize_tells_every_table_and_line_apart(tmp_path, capsys):
+    """Tables that differ only in a field their header did not show (the dtype) printed with
+    one header; the per-corruption lines, and the lines of runs outside the tables, named
+    two cells of a tuning grid alike; an unfinished run of --repeat 2 counted 4/1."""
+    runs = [fake_run("tent", 0, 60.0), fake_run("tent", 0, 70.0),
+            fake_run("dp_tent", 0, 50.0, eps=5.0, clip=0.5),
+            fake_run("dp_tent", 0, 51.0, eps=5.0, clip=2.0)]
+    runs[1]["key"]["dtype"] = "fp32"
+    partial = fake_run("dp_tent", 1, 0, eps=5.0, clip=0.5)["key"]
+    partial["repeat"] = 2
+    unfinished = [{"mode": "corruption", "run_id": "p", "key": partial, "round": r,
+                   "corruption": "gaussian_noise", "accuracy": 40.0 + r} for r in (1, 2)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in runs + unfinished))
+    assert dptta.main(["--summarize", str(path), "--per-corruption"]) == 0
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if "| mean top-1 %" in line]
+    assert len(headers) == 2 and len(set(headers)) == 2 and 'dtype="fp32"' in "".join(headers)
+    assert "  tent clip=0.5 ε=5: gaussian_noise 50.0 (n=1)" in out
+    assert "  tent clip=2.0 ε=5: gaussian_noise 51.0 (n=1)" in out
+    assert "dp_tent ε=5 C=0.5 lr=0.001 seed 1: 2/2 corruptions" in out
+
+
 def test_summarize_puts_a_methods_variants_on_one_row_of_one_table(tmp_path, capsys):
     """Non-private (δ None), clip-only and ε columns differ in δ, hp and accumulate: one
     setting is still one table, one method one row."""
