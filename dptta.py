@@ -2801,9 +2801,9 @@ def summarize(path, per_corruption=False, error=False):
         seeds[r["key"]["seed"]] = r
     shown = {"dataset", "severity", "model", "setting", "batch_size", "order", "repeat"}
     apart = set()  # the fields, not in a header, that tell two tables apart (dtype, weights)
-    for k in {field for table in tables for field in json.loads(table)} - shown:
-        if len({json.dumps(json.loads(table).get(k), sort_keys=True) for table in tables}) > 1:
-            apart.add(k)
+    for name in {name for table in tables for name in json.loads(table)} - shown:
+        if len({json.dumps(json.loads(table).get(name), sort_keys=True) for table in tables}) > 1:
+            apart.add(name)
     for table, cells in tables.items():
         runs_of = [list(seeds.values()) for seeds in cells.values()]  # a cell's runs, a seed each
         labels = print_table(json.loads(table), runs_of, error, sorted(apart))
