@@ -1462,12 +1462,17 @@ def image_stream(
     )
 
 
-def stop_workers(batches):
-    """Stops a loader iterator's workers now, as its loop ends (an error's too). They ignore
+@contextlib.contextmanager
+def batches_of(loader):
+    """The loader's batches, its workers stopped as the loop ends (an error's too). They ignore
     SIGTERM (leave_stops_to_the_run), and workers left to Python's exit (as they were after an
     error raised in one) are sent that SIGTERM and waited for: the run hung."""
-    if hasattr(batches, "_shutdown_workers"):  # (torch's; no workers, no method)
-        batches._shutdown_workers()
+    batches = iter(loader)
+    try:
+        yield batches
+    finally:
+        if hasattr(batches, "_shutdown_workers"):  # (torch's; no workers, no method)
+            batches._shutdown_workers()
 
 
 def leave_stops_to_the_run(worker_id):
@@ -2241,8 +2246,8 @@ def rate(n, seconds):
 def progress(loader, what):
     """The loader's batches, and a progress line at least every PROGRESS_SECONDS."""
     t0 = last = time.time()
-    images, batches = 0, iter(loader)
-    try:
+    images = 0
+    with batches_of(loader) as batches:
         for batch in batches:
             yield batch
             images += len(batch[2]) if batch[0] is None else len(batch[0])
@@ -2252,8 +2257,6 @@ def progress(loader, what):
                     f"  {what}: {images}/{len(loader.dataset)} images, {rate(images, last - t0)}",
                     flush=True,
                 )
-    finally:  # the workers stop with the loop, an error's too (see stop_workers)
-        stop_workers(batches)
 
 
 def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
@@ -2262,8 +2265,7 @@ def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
     correct, scored = torch.zeros(2, groups, dtype=torch.long, device=args.device)
     unreadable, t0 = [], time.time()
     last = t0
-    batches = iter(loader)
-    try:
+    with batches_of(loader) as batches:
         for i, (x, y, bad) in enumerate(batches):
             if STOP:  # a signal a DataLoader worker swallowed stops the run all the same
                 raise KeyboardInterrupt
@@ -2290,8 +2292,6 @@ def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
                     f"  {label} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% {rate(seen, last - t0)}",
                     flush=True,
                 )
-    finally:  # the workers stop with the stream, an error's too (see stop_workers)
-        stop_workers(batches)
     with autocast(args):
         adapter.flush()  # the last, partial accumulate window steps too
     stop_unless_finite(adapter, f"the last step of {label}")
@@ -2431,18 +2431,19 @@ def adapt_resumably(args, key, hp_note, state):
         hint = ": --resume goes on once it reads" if state and os.path.exists(state) else ""
         fail(f"{unread}; stopped before stepping on its batch{hint}", 4)
     except KeyboardInterrupt:
-        name = signal.Signals(STOP[0] if STOP else signal.SIGINT).name
-        if status.get("run", {}).get("final"):  # after the final record: the run is whole
+        signum, run = STOP[0] if STOP else signal.SIGINT, status.get("run", {})
+        name = signal.Signals(signum).name
+        if run.get("final"):  # after the final record: the run is whole
             if state and os.path.exists(state):
                 os.remove(state)
             print(f"dptta: {name} after the run's final record: it is complete", file=sys.stderr)
             return 0
-        done = status.get("run", {}).get("done", [])
+        done = run.get("done", [])
         recorded = f"{len(done)} stream(s) recorded in {args.out}" if done else "no stream recorded"
         resumable = state is not None and os.path.exists(state)
         how = "--resume goes on" if resumable else "nothing to resume"
         print(f"dptta: stopped by {name}; {recorded}, no final record ({how})", file=sys.stderr)
-        return 128 + (STOP[0] if STOP else signal.SIGINT)
+        return 128 + signum
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)

@@ -129,22 +129,20 @@ for name, values in env.items():  # one line and exit 2, before any cell
     if len(distinct) < len(values):
         print(f"run_imagenet_c.sh: {name} repeats a value: {' '.join(values)}", file=sys.stderr)
         sys.exit(2)
-# what each stage reads; a variable it does not read, set by the user, would be ignored
-reads = {"main": set(env), "tune": set(env) - {"BATCHES"},
-         "wild": {"SEEDS", "METHODS", "VARIANTS"}, "bn": {"SEEDS", "SETTINGS"}}
-runs = {"tune": "batch 64", "wild": "its own settings and batch, at ε = 5",
-        "bn": "source, norm, Tent and dp_norm at ε = 20, 5, 1; batch 64"}
-for name in os.environ["GIVEN"].split():
-    if name not in reads[stage]:
-        print(f"run_imagenet_c.sh: the {stage} stage does not read {name} (it runs "
-              f"{runs[stage]}): unset it", file=sys.stderr)
-        sys.exit(2)
 def refuse(why):
     print(f"run_imagenet_c.sh: {why}", file=sys.stderr)
     sys.exit(2)
 
 
+# what each stage reads; a variable it does not read, set by the user, would be ignored
+reads = {"main": set(env), "tune": set(env) - {"BATCHES"},
+         "wild": {"SEEDS", "METHODS", "VARIANTS"}, "bn": {"SEEDS", "SETTINGS"}}
+runs = {"tune": "batch 64", "wild": "its own settings and batch, at ε = 5",
+        "bn": "source, norm, Tent and dp_norm at ε = 20, 5, 1; batch 64"}
 given = os.environ["GIVEN"].split()
+for name in given:
+    if name not in reads[stage]:
+        refuse(f"the {stage} stage does not read {name} (it runs {runs[stage]}): unset it")
 for name in given:  # set but empty: a part of the grid would go, silently
     if not env[name]:
         refuse(f"{name} is set but empty: unset it, or give it values")
@@ -387,8 +385,10 @@ import dptta
 keys = set()
 for cell in os.environ["CELLS"].splitlines():
     argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[3:]
-    with contextlib.redirect_stdout(io.StringIO()):
-        keys.add(json.dumps(dptta.run_key(dptta.check_args(dptta.parse_args(argv))), sort_keys=True))
+    with contextlib.redirect_stdout(io.StringIO()):  # (as main keys a run)
+        args = dptta.check_args(dptta.parse_args(argv))
+        dptta.fill_in_hparams(args)
+        keys.add(json.dumps(dptta.run_key(args), sort_keys=True))
 best = {}
 for _, r in dptta.read_jsonl(sys.argv[1], "the tune stage's"):  # a damaged line: skipped
     if r.get("mode") != "adapt" or json.dumps(r.get("key"), sort_keys=True) not in keys:
