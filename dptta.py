@@ -113,6 +113,11 @@ def _smallest(f, lo, hi):
     return float(x)
 
 
+def _relative_excess(eps, sigma, delta):
+    """δ(ε)/δ − 1, computed as gdp_delta computes δ: <= 0 exactly where δ(ε) <= δ."""
+    return np.exp(_log_gdp_delta(eps, sigma)) / delta - 1
+
+
 def calibrate_sigma(*, eps, delta, repeats=1):
     """The smallest σ with δ(ε) <= delta for `repeats` releases of each unit: k releases of
     (2/σ)-GDP compose to (2√k/σ)-GDP (ibid., Cor. 3.3), so σ = √k·σ_1. eps = inf: σ = 0.
@@ -137,11 +142,6 @@ def gdp_epsilon(*, sigma, delta):
     if math.isinf(sigma) or f(0.0) <= 0:
         return 0.0
     return _smallest(f, 0.0, 1.0)
-
-
-def _relative_excess(eps, sigma, delta):
-    """δ(ε)/δ − 1, computed as gdp_delta computes δ: <= 0 exactly where δ(ε) <= δ."""
-    return np.exp(_log_gdp_delta(eps, sigma)) / delta - 1
 
 
 # ----------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def adaptable_params(model, *, skip_top=False, private=True):
     per-sample gradients of DP and clip-only runs, which refuse a BatchNorm model (its train
     mode mixes the samples; bn="source" freezes it instead). A tensor tied to two modules
     (one tensor, two names) is adapted once, under its first name."""
-    bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]  # the model's: ""
+    bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]  # (itself: "")
     why = f"BatchNorm {bn} mixes the samples of a batch: no per-sample gradients (dp_, clip)"
     need(not (private and bn), why + '; bn="source" freezes it at its source statistics')
     cut = _trunk_cut(model) if skip_top else None
@@ -244,7 +244,7 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     the pass (SDPA's math kernel on CPU, nn.MultiheadAttention without its fast path,
     adaptive pooling fed a contiguous input), and vmap's per-sample fallback is made an
     error (_without_fallback)."""
-    coupled = [n for n, m in model.named_modules() if couples_samples(m)]  # the model's: ""
+    coupled = [n for n, m in model.named_modules() if couples_samples(m)]  # (itself: "")
     why = "in train mode or without running statistics couples the batch"
     need(not coupled, f"BatchNorm {coupled} {why}: no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
@@ -317,7 +317,8 @@ class NoiseStream:
     draw to within a fraction of a standard deviation. torch's CPU mt19937 gives its whole
     state away to such readings (its output bits are linear in its state bits), and with it
     every draw, past and future; CUDA's Philox has a 64-bit key. (Opacus' secure_mode is for
-    this.) Block k of the stream is SHAKE-256(key ‖ k), one block per draw, so the state is
+    this.) Block k of the stream is SHAKE-256(key ‖ k), one block per call of normal() (a
+    release), so the state is
     (key, k): the runner saves it to replay a killed stream. A stream is never copied or
     pickled (a copy would draw the same noise twice).
 
@@ -371,13 +372,13 @@ NOISE_RADIUS = math.sqrt(-2 * math.log(2.0**-107))  # 12.18
 
 
 def check_noise_reach(sigma, delta, releases):
-    """The accountant's Gaussian has no end; the sampler's noise ends at NOISE_RADIUS·σC per
-    pair. A neighbour's release is the same sum moved by 2C, μ = 2/σ in units of the noise:
-    with a chance of at most exp(−(R − μ)²/2) per release it falls where this one's noise
-    never reaches, and there the two are told apart (moved within one pair, the worst case,
-    the pair's radius is at most μ plus a radius of the noise, whose tail is Rayleigh's).
-    Refused unless that chance, over an image's releases, is below δ/1000 (at δ = 1e-6: ε up
-    to about 43)."""
+    """The accountant assumes Gaussian noise without end; the sampler's ends. Each Box-Muller
+    pair of coordinates has radius at most R = NOISE_RADIUS (in units of σC). A neighbour's
+    release is the same sum moved by 2C, μ = 2/σ in those units. Where this release's noise
+    lies beyond R − μ of the neighbour's (a Rayleigh tail: chance exp(−(R − μ)²/2) per
+    release), the neighbour's noise cannot reach it, and the two are told apart with
+    certainty. Refused unless that chance, summed over an image's releases, is at most
+    δ/1000 (at δ = 1e-6: ε up to about 43)."""
     if sigma == 0:
         return
     mu = 2 / sigma
@@ -481,13 +482,17 @@ class Method:
     loss      ℓ_i(logits [N, K], ctx, hp) -> [N]: each sample's own loss, clipped per sample
     filter    the original's data-dependent filter, a pure function
               (logits, ctx, state, hp) -> (keep [N] bool, new state); the step stores the state
-    context   (model, x, generator, hp) -> ctx: ℓ_i's input besides the logits (DeYO's x′)
+    context   (model, x, generator, hp) -> ctx: ℓ_i's input besides the logits (DeYO's x′).
+              Row i must come from image i alone (DeYO's does): a DP variant's sensitivity
+              2C rests on it, and nothing can check it (a context may draw random numbers)
     norms     "all", or "lower": the norms below the trunk's top (SAR, DeYO)
     penalty   (θ, θ0, hp) -> {name: gradient} of a data-free term, added after the noise
     step      "plain", "sam" (SAR's sharpness-aware step; its DP variant is DP-SAT), "norm"
               (BatchNorm statistics, no gradient) or "none" (predict only)
     constants the defaults of the constants (hp) that loss, context, penalty and step read;
-              filter_constants those only the filter reads (its DP variant drops them)
+              filter_constants those of the original's data-dependent decisions: its filter,
+              and SAR's recovery (reset_ema). The DP variant drops them with the filter; its
+              step never recovers (a reset decided on a batch's entropy would be a release)
 
     private     whether it is a DP variant; private(method) makes one by the paper's recipe:
               no filter, ℓ_i clipped and noised, the penalty after the noise, SAM's ascent
@@ -630,16 +635,16 @@ TENT = Method("tent", tent_loss)
 COME = Method("come", come_loss, constants=dict(num_classes=None))
 EATA = Method(
     "eata",
-    weighted_loss,
-    eata_filter,
+    loss=weighted_loss,
+    filter=eata_filter,
     penalty=fisher_penalty,
     constants=dict(e_margin=0.4, num_classes=None, fisher=None, fisher_lambda=2000.0),
     filter_constants=dict(d_margin=0.05),
 )
 SAR = Method(
     "sar",
-    tent_loss,
-    sar_filter,
+    loss=tent_loss,
+    filter=sar_filter,
     norms="lower",
     step="sam",
     constants=dict(rho=0.05),
@@ -647,10 +652,10 @@ SAR = Method(
 )
 DEYO = Method(
     "deyo",
-    weighted_loss,
-    deyo_filter,
-    shuffled_softmax,
-    "lower",
+    loss=weighted_loss,
+    filter=deyo_filter,
+    context=shuffled_softmax,
+    norms="lower",
     constants=dict(e_margin=0.4, num_classes=None, patch_grid=4),
     filter_constants=dict(deyo_margin=0.5, plpd_threshold=0.2),
 )
@@ -738,7 +743,6 @@ class DPTTA(nn.Module):
         # σ(ε, δ), and the check of eps, delta and repeats (calibrate_sigma refuses bad ones)
         noisy_eps = math.inf if eps is None else eps  # the originals: no noise
         self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)
-        check_noise_reach(self.sigma, delta, repeats)
         need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
         bad_clip = f"clip must be finite and > 0 (fp32), got {clip}"
         need(clip is None or 0 < clip <= FP32_MAX, bad_clip)
@@ -762,6 +766,7 @@ class DPTTA(nn.Module):
             self.model_params = adaptable_params(model, skip_top=lower, private=per_sample)
         fisher, adapted = self.hp.get("fisher"), set(self.model_params)
         need(fisher is None or set(fisher) == adapted, "fisher needs one tensor per .params")
+        self._check_model(model)
         self.model = model
         if method.step != "none":  # source only predicts: it claims no parameter
             self._claim()
@@ -779,85 +784,17 @@ class DPTTA(nn.Module):
         self.tally, self.replay = {}, None
         self.reset()
 
+    def _check_model(self, model):
+        """The last checks, before the adapter claims and switches the model (DPNorm adds its
+        own): the sampler reaches far enough for σ over an image's releases."""
+        check_noise_reach(self.sigma, self.delta, self.releases * self.repeats)
+
     @staticmethod
     def batch_statistics(bns):
         """As Tent: these BatchNorm layers normalize with the test batch, no running average."""
         for m in bns:
             m.train()
             m.track_running_stats = False
-
-    def _apply(self, fn, *args, **kwargs):
-        """.to(), .cuda(), .half() of a built adapter: refused (a no-op one passes), as θ0, the
-        fp32 masters and the shuffles' generator would stay where they were: move the model
-        first."""
-        p = next(self.model.parameters())
-        moved = fn(p.detach())  # (a move to where it is already is no move)
-        same = (moved.device, moved.dtype) == (p.device, p.dtype)
-        need(same, "move or cast the model before building its DPTTA, not the adapter")
-        return super()._apply(fn, *args, **kwargs)
-
-    def train(self, mode=True):
-        """The adapter keeps its model's modes (eval; BatchNorm as `bn` says): an outer
-        train() or eval() would switch dropout on, or Tent's BatchNorm off."""
-        return self
-
-    # -- one live adapter per model; copies, pickles and checkpoints -------------------------
-    def _claim(self):
-        """Two adapters on one model would share θ (and one's reset() resets the other)."""
-        for n, p in self.model.named_parameters():
-            # (adapter = DPTTA(model, ...) a second time builds the new one while the old lives)
-            why = f"the model (its {n}) is adapted by another live DPTTA: del that one first,"
-            need(id(p) not in _ADAPTED, why + " or give each adapter a copy.deepcopy(model)")
-        _ADAPTED.update({id(p): self for p in self.model.parameters()})
-
-    def _refuse_a_pending_window(self):
-        """Copies, pickles and checkpoints are refused with a pending accumulate window: a copy
-        would step on its images too (two releases), a pickle would write them to disk."""
-        pending = f"{len(self.window)} pending accumulate batch(es) of raw test images"
-        need(not self.window, f"an adapter with {pending}: flush() before copying or saving it")
-
-    def __getstate__(self):
-        """copy.deepcopy and pickle. The noise stream is left out: its key regenerates every
-        draw, past ones too, and would cancel the noise of the releases. So is the audit's
-        replay: it holds raw test batches and their per-sample gradients."""
-        self._refuse_a_pending_window()
-        return dict(super().__getstate__(), noise=None, replay=None)
-
-    def __setstate__(self, state):
-        """A copy draws its noise from a stream of its own, keyed from the OS: none is shared."""
-        super().__setstate__(state)
-        if self.method.step != "none":
-            self._claim()
-        self.noise = NoiseStream()
-        self.shuffle_gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
-
-    def get_extra_state(self):
-        """In state_dict(): θ, θ0, the momentum, the method's state and DeYO's shuffles, so
-        that a load resumes the run; all of it public (the releases, post-processed). Never
-        the noise stream: the adapter that loads draws its own, so that a checkpoint can
-        be shared and loaded twice without any noise drawn twice. EATA's fisher is an input,
-        not a state: pass it again to the adapter that loads."""
-        self._refuse_a_pending_window()
-        opt = None if self.opt is None else self.opt.state_dict()
-        checkpoint = dict(who=self._identity(), theta=(dict(self.params), self.theta0), opt=opt)
-        return dict(checkpoint, shuffles=self.shuffle_gen.get_state(), state=self.state)
-
-    def set_extra_state(self, state):
-        need("shuffles" in state, "a checkpoint of an older dptta, with its noise: not loaded")
-        mine = self._identity()
-        need(state["who"] == mine, f"a checkpoint of {state['who']} cannot resume {mine}")
-        self._set_theta(*state["theta"])
-        if self.opt is not None:  # (a copy: the optimizer would step the checkpoint's buffers)
-            self.opt.load_state_dict(copy.deepcopy(state["opt"]))
-        self.state = state["state"]
-        # (a generator's state is a CPU tensor, even a CUDA generator's: torch.load's
-        # map_location may have moved it)
-        self.shuffle_gen.set_state(state["shuffles"].cpu())
-
-    def _identity(self):
-        """What a checkpoint must match: the method, σ, C, lr and the constants (not fisher)."""
-        hp = {k: v for k, v in self.hp.items() if k != "fisher"}
-        return f"{self.method.name} (σ = {self.sigma!r}, C = {self.clip}, lr = {self.lr}, {hp})"
 
     def reset(self):
         """Back to the source: θ, a fresh optimizer, the method's state; a pending window is
@@ -908,6 +845,11 @@ class DPTTA(nn.Module):
         if self.method.step == "none" or not len(x):  # source; an empty batch: no step at all
             with torch.no_grad():
                 return logits_of(self.model(x))
+        if self.method.private:  # (a model.train() since: its predictions would mix the batch)
+            coupled = [n for n, m in self.model.named_modules() if couples_samples(m)]
+            why = "in train mode or without running statistics couples the batch"
+            need(not coupled, f"BatchNorm {coupled} {why}: a private step mixes no samples "
+                 "(model.train() called since the adapter was built?)")
         if self.accumulate == 1:
             return self._update(x)
         # accumulate=k: predict each batch with θ, step once k have come. θ is fixed within a
@@ -932,6 +874,8 @@ class DPTTA(nn.Module):
         with torch.inference_mode(False), torch.enable_grad():  # callers under no_grad too
             x = x.clone() if x.is_inference() else x
             ctx = self.context(x)
+            if self.method.step == "sam" and self.method.private:
+                return self._dp_sat_step(x, ctx).detach()
             if self.method.step == "sam":
                 return self._sam_step(x, ctx).detach()
             logits, g, _, self.state = self._gradient(x, ctx, self.params)
@@ -999,28 +943,31 @@ class DPTTA(nn.Module):
     def _sam_step(self, x, ctx):
         """SAR's SAM: ascend along the plain mean gradient of the kept samples (clip-only too,
         as the paper's code does), take the gradient at θ + ρ·g/‖g‖ on those still kept
-        there, step from θ; then its recovery. DP-SAT, its DP variant: the ascent direction
-        is the previous *private* Δ (free: it is released; none at the first step), one
-        private gradient per step, and the prediction is made at θ, not at the ascent."""
-        keep, logits, direction = None, None, self.state.get("g_prev")
-        if not self.method.private:
-            logits, direction, keep, self.state = self._gradient(x, ctx, self.params, clip=False)
-            if direction is None:
-                return logits
-        ascent = self.params if direction is None else self._ascent(direction)
-        at_ascent, g, keep, _ = self._gradient(x, ctx, ascent, keep)
+        there, step from θ; then its recovery."""
+        logits, direction, keep, self.state = self._gradient(x, ctx, self.params, clip=False)
+        if direction is None:
+            return logits
+        at_ascent, g, keep, _ = self._gradient(x, ctx, self._ascent(direction), keep)
         if g is None:
             return logits
-        if self.method.private:
-            logits = at_ascent
-            if direction is not None:  # (at_ascent is at θ + ρ·Δ/‖Δ‖, not θ)
-                with torch.no_grad():
-                    logits = logits_of(self.model(x))
         self._step(g)
-        if self.method.private:  # kept once the step is made: a step that fails keeps nothing
-            self.state = {**self.state, "g_prev": g}
         if "reset_ema" in self.hp:
             self._recover(entropy(at_ascent.detach())[keep].mean().item())
+        return logits
+
+    def _dp_sat_step(self, x, ctx):
+        """DP-SAT, SAR's DP variant: the ascent direction is the previous *private* Δ (free:
+        it is released; none at the first step), one private gradient per step, and the
+        prediction is made at θ, not at the ascent. No recovery: a reset decided on the
+        batch's entropy would be a release of its own."""
+        direction = self.state.get("g_prev")
+        ascent = self.params if direction is None else self._ascent(direction)
+        logits, g, _, _ = self._gradient(x, ctx, ascent)
+        if direction is not None:  # (those logits are at θ + ρ·Δ/‖Δ‖, not θ)
+            with torch.no_grad():
+                logits = logits_of(self.model(x))
+        self._step(g)
+        self.state = {**self.state, "g_prev": g}  # kept once the step is made
         return logits
 
     def _recover(self, loss):
@@ -1038,6 +985,79 @@ class DPTTA(nn.Module):
         norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt().clamp(min=1e-12)
         return {n: p + self.hp["rho"] * g[n] / norm for n, p in self.params.items()}
 
+    # -- guards: one live adapter per model, no move, its modes; copies, pickles, checkpoints
+    def _apply(self, fn, *args, **kwargs):
+        """.to(), .cuda(), .half() of a built adapter: refused (a no-op one passes), as θ0, the
+        fp32 masters and the shuffles' generator would stay where they were: move the model
+        first."""
+        p = next(self.model.parameters())
+        moved = fn(p.detach())  # (a move to where it is already is no move)
+        same = (moved.device, moved.dtype) == (p.device, p.dtype)
+        need(same, "move or cast the model before building its DPTTA, not the adapter")
+        return super()._apply(fn, *args, **kwargs)
+
+    def train(self, mode=True):
+        """The adapter keeps its model's modes (eval; BatchNorm as `bn` says): an outer
+        train() or eval() would switch dropout on, or Tent's BatchNorm off."""
+        return self
+
+    def _claim(self):
+        """Two adapters on one model would share θ (and one's reset() resets the other)."""
+        for n, p in self.model.named_parameters():
+            # (adapter = DPTTA(model, ...) a second time builds the new one while the old lives)
+            why = f"the model (its {n}) is adapted by another live DPTTA: del that one first,"
+            need(id(p) not in _ADAPTED, why + " or give each adapter a copy.deepcopy(model)")
+        _ADAPTED.update({id(p): self for p in self.model.parameters()})
+
+    def _refuse_a_pending_window(self):
+        """Copies, pickles and checkpoints are refused with a pending accumulate window: a copy
+        would step on its images too (two releases), a pickle would write them to disk."""
+        pending = f"{len(self.window)} pending accumulate batch(es) of raw test images"
+        need(not self.window, f"an adapter with {pending}: flush() before copying or saving it")
+
+    def __getstate__(self):
+        """copy.deepcopy and pickle. The noise stream is left out: its key regenerates every
+        draw, past ones too, and would cancel the noise of the releases. So is the audit's
+        replay: it holds raw test batches and their per-sample gradients."""
+        self._refuse_a_pending_window()
+        return dict(super().__getstate__(), noise=None, replay=None)
+
+    def __setstate__(self, state):
+        """A copy draws its noise from a stream of its own, keyed from the OS: none is shared."""
+        super().__setstate__(state)
+        if self.method.step != "none":
+            self._claim()
+        self.noise = NoiseStream()
+        self.shuffle_gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
+
+    def get_extra_state(self):
+        """In state_dict(): θ, θ0, the momentum, the method's state and DeYO's shuffles, so
+        that a load resumes the run; all of it public (the releases, post-processed). Never
+        the noise stream: the adapter that loads draws its own, so that a checkpoint can
+        be shared and loaded twice without any noise drawn twice. EATA's fisher is an input,
+        not a state: pass it again to the adapter that loads."""
+        self._refuse_a_pending_window()
+        opt = None if self.opt is None else self.opt.state_dict()
+        checkpoint = dict(who=self._identity(), theta=(dict(self.params), self.theta0), opt=opt)
+        return dict(checkpoint, shuffles=self.shuffle_gen.get_state(), state=self.state)
+
+    def set_extra_state(self, state):
+        need("shuffles" in state, "a checkpoint of an older dptta, with its noise: not loaded")
+        mine = self._identity()
+        need(state["who"] == mine, f"a checkpoint of {state['who']} cannot resume {mine}")
+        self._set_theta(*state["theta"])
+        if self.opt is not None:  # (a copy: the optimizer would step the checkpoint's buffers)
+            self.opt.load_state_dict(copy.deepcopy(state["opt"]))
+        self.state = state["state"]
+        # (a generator's state is a CPU tensor, even a CUDA generator's: torch.load's
+        # map_location may have moved it)
+        self.shuffle_gen.set_state(state["shuffles"].cpu())
+
+    def _identity(self):
+        """What a checkpoint must match: the method, σ, C, lr and the constants (not fisher)."""
+        hp = {k: v for k, v in self.hp.items() if k != "fisher"}
+        return f"{self.method.name} (σ = {self.sigma!r}, C = {self.clip}, lr = {self.lr}, {hp})"
+
 
 # ----------------------------------------------------------------------------
 # DP-Norm (beyond the paper): BatchNorm networks, their statistics released privately
@@ -1045,7 +1065,7 @@ class DPTTA(nn.Module):
 PRECISION = 0.1  # the noise a layer's long average aims to carry, per coordinate
 MEMORY = 100  # the long average's longest memory, in batches
 WINDOW = 4  # the short average's memory: a shift of the stream shows within a few batches
-SHIFT = 1.5  # the averages differ by more than SHIFT times their noise: the stream shifted
+SHIFT = 1.5  # mean (a − b)² over SHIFT times the averages' noise variances: the stream shifted
 FLOOR = 0.25  # under noise, var z >= 1/4: no layer's output scaled up by more than 2
 NORM_HOPELESS = 0.5  # the average's noise above which dp_norm cannot move off the source
 
@@ -1069,6 +1089,12 @@ def running_average(average, s, noise, gain):
     return (1 - gain) * total + s, (1 - gain) * weight + 1, (1 - gain) ** 2 * variance + noise
 
 
+def value_and_noise(average):
+    """A running average's value Σws/Σw and its noise variance Σw²noise/(Σw)²."""
+    total, weight, variance = average
+    return total / weight, variance / weight**2
+
+
 def averaged(averages, s, noise):
     """(long, short) running averages with a new release s. When the short average strays
     from the long one by more than SHIFT times the noise they carry, the stream has shifted
@@ -1084,11 +1110,6 @@ def averaged(averages, s, noise):
     if noise_a + noise_b > 0 and (a - b).pow(2).mean() > SHIFT * (noise_a + noise_b):
         long = short
     return long, short
-
-
-def value_and_noise(average):
-    total, weight, variance = average
-    return total / weight, variance / weight**2
 
 
 def estimated(averages, channels):
@@ -1131,8 +1152,9 @@ class DPNorm(DPTTA):
     dp_norm releases them privately. Before each of the first bn_layers BatchNorm layers
     (default all: L layers) runs, the batch's moments are released:
 
-        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),  c = bn_scale·√(2·ch)
+        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),  c = bn_scale·√(2·C)
 
+    (C: the layer's channels; v_i has two moments per channel.)
     Replacing one image moves the sum by at most 2c, so each release is (2/σ_l)-GDP; an
     image is in one batch, and the L releases of a forward compose to 2√L/σ_l = 2/σ, so
     σ_l = √L·σ(ε, δ). The release's noise is known exactly, τ = σ_l·c/B per coordinate,
@@ -1140,13 +1162,27 @@ class DPNorm(DPTTA):
     a long and a short memory, restarted when the stream shifts), each layer's mean and
     variance are estimated without bias and shrunk toward the source by their
     signal-to-noise ratio (estimated), and the layer normalizes with μ = μ_src + σ_src·a and
-    σ² = σ_src²·v. Where the noise exceeds what
-    the average can carry, a layer stays at the source's statistics: dp_norm then keeps the
-    source's accuracy instead of losing it. BatchNorm layers after the first bn_layers
+    σ² = σ_src²·v. Where the noise exceeds what the average can carry, a layer stays at the
+    source's statistics: dp_norm then stays near the source's accuracy instead of losing
+    it (README: at ε = 0.5 up to 2.7 points below it). BatchNorm layers after the first bn_layers
     keep their source statistics; the model must run each BatchNorm module once per forward."""
 
     def __init__(self, model, method="dp_norm", **kwargs):
-        super().__init__(model, method, **kwargs)
+        super().__init__(model, method, **kwargs)  # its checks first: _check_model
+        bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
+        chosen = bns[: self.hp["bn_layers"]]
+        self.checked = not self.method.private
+        if not self.method.private:
+            self.batch_statistics([m for _, m in chosen])
+            return
+        self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in chosen}
+        self.releases = len(self.bn_src)
+        self.sigma *= math.sqrt(self.releases)  # σ_l = √L·σ: L releases per image
+        self.reset()
+
+    def _check_model(self, model):
+        """DPNorm's checks, before DPTTA claims and switches the model: BatchNorm layers with
+        running statistics, a count of them, and the sampler's reach at σ_l = √L·σ."""
         name, private = self.method.name, self.method.private
         bns = [(n, m) for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
         need(bns and self.bn == "train", f"{name} needs a model with BatchNorm, not frozen")
@@ -1156,18 +1192,13 @@ class DPNorm(DPTTA):
             k is None or isinstance(k, int) and 1 <= k <= len(bns),
             f"bn_layers must be a count {layers}",
         )
-        chosen, self.checked = bns[:k], not private
         if not private:
-            self.batch_statistics([m for _, m in chosen])
             return
         for layer, m in bns:  # (one past bn_layers without them would mix the batch, noiseless)
             missing = f"{name}: BatchNorm {layer} has no running statistics"
             need(m.running_mean is not None, missing)
-        self.bn_src = {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in chosen}
-        self.releases = len(self.bn_src)
-        self.sigma *= math.sqrt(self.releases)  # σ_l = √L·σ: L releases per image
-        check_noise_reach(self.sigma, self.delta, self.releases * self.repeats)
-        self.reset()
+        L = len(bns[:k])
+        check_noise_reach(self.sigma * math.sqrt(L), self.delta, L * self.repeats)
 
     def reset(self):
         """DPTTA's reset, and the source's statistics back in every private layer."""
@@ -1799,6 +1830,9 @@ def check_common(args, mode=None):
     args.dtype = "bf16" if args.amp == "bf16" and args.device == "cuda" else "fp32"
 
 
+ORDERS = "random, class or dirichlet:ALPHA (ALPHA > 0)"
+
+
 def check_args(args):
     """Every flag of a run checked and its default filled in: one line and exit 2 if wrong."""
     check_common(args)
@@ -1868,9 +1902,6 @@ def check_args(args):
         require(path is None or fits(path), f"{shown} {path} is not {kind}")
     check_out(args, "results-smoke.jsonl" if args.synthetic else "results.jsonl")
     return args
-
-
-ORDERS = "random, class or dirichlet:ALPHA (ALPHA > 0)"
 
 
 def is_positive(text):
@@ -2086,9 +2117,12 @@ def save_state(path, state, first=False):
     if path is None:  # --out /dev/null: nothing to resume
         return
     try:
-        with os.fdopen(
-            os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb"
-        ) as f:
+        # a .tmp planted in a shared folder (its own mode, or a link) is removed, never written
+        # through: O_EXCL creates the file this run owns, mode 0600, or fails
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + ".tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open(path + ".tmp", flags, 0o600), "wb") as f:
             torch.save(state, f)
         os.replace(path + ".tmp", path)
     except (OSError, RuntimeError) as e:  # torch.save's full disk is a RuntimeError
@@ -2398,8 +2432,11 @@ def adapt_resumably(args, key, hp_note, state):
         warn(f"{state}: a killed run of this cell, replaced: this run starts afresh, and its "
              "releases and the killed run's both count (--resume would go on)")
     if args.resume and state and os.path.exists(state):
-        try:  # a killed run's state
-            resume = torch.load(state, map_location=args.device, weights_only=False)
+        st = os.lstat(state)  # a state this user did not write, or others can read: not loaded
+        mine_alone = stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o77
+        require(mine_alone, f"{state} is not a file of this user's that only it reads: not loaded")
+        try:  # a killed run's state (weights_only: tensors and plain data, no code)
+            resume = torch.load(state, map_location=args.device, weights_only=True)
             if not (isinstance(resume, dict) and {"key", "run_id", "records"} <= set(resume)):
                 raise ValueError("not a run's state")
         except Exception as e:
@@ -2526,10 +2563,17 @@ def make_adapter(args, model, config):
     kwargs["delta"] = 1e-6 if args.delta is None else args.delta
     kwargs["bn"] = "train" if args.bn is None else args.bn
     adapter = or_fail(DPTTA, model, args.method, **kwargs, **hp)
+    if args.privacy_unit == "photo" and args.setting == "mixed":  # k versions may share a step:
+        # a sum moved by 2kC, μ = 2k/σ, the reach checked at σ/k (its releases: one per round)
+        k, releases = len(args.corruptions), adapter.releases * args.repeat
+        or_fail(check_noise_reach, adapter.sigma / k, kwargs["delta"], releases)
     if adapter.bn_src:  # dp_norm: one release per layer, refused before the first image
         device = next(model.parameters()).device
         or_fail(adapter.check_releases, torch.zeros(1, *config["input_size"], device=device))
     return adapter
+
+
+DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}  # a progress line's drift
 
 
 def adapt_and_record(args, key, hp_note, state, resume, mine, status):
@@ -2626,9 +2670,6 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     if state and os.path.exists(state):
         os.remove(state)
     return 0
-
-
-DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}
 
 
 def run_state(run, adapter):

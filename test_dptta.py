@@ -13,6 +13,7 @@ import pathlib
 import pickle
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -485,7 +486,7 @@ def test_batchnorm_at_source_statistics_adapts_per_sample_and_train_mode_never_d
     assert any(not torch.equal(a.theta0[n], p) for n, p in a.params.items())
     with pytest.raises(ValueError, match='bn="source"'):
         dptta.DPTTA(tiny_bn_cnn(), "dp_tent", eps=5, clip=1.0, lr=0.1)
-    m.train()  # a caller's train() after the fact: the per-sample pass still refuses
+    m.train()  # a caller's train() after the fact: the adapter and the per-sample pass refuse
     with pytest.raises(ValueError, match="train mode or without running statistics"):
         a(images(6, 3, torch.float64))
     with pytest.raises(ValueError, match="train mode"):
@@ -1592,6 +1593,23 @@ def test_dp_sat_ascends_along_the_previous_private_gradient():
         torch.testing.assert_close(fresh.state["g_prev"][n], g0[n], rtol=1e-4, atol=1e-6)
 
 
+def test_a_private_sam_method_never_resets_on_its_batch_even_with_reset_ema():
+    """SAR's recovery resets θ when the batch's raw entropy at the ascent falls below
+    reset_ema: a decision on the data with no noise. A method of one's own with step="sam"
+    and reset_ema among its constants (where a step's constants go) kept it in its DP variant
+    before: θ back at θ0 after every step, a release that tells its batch apart. DP-SAT never
+    recovers; the original still does."""
+    mine = dptta.Method("my_sam", dptta.tent_loss, step="sam", constants=dict(rho=0.05, reset_ema=1e9))
+    x = images(8)
+    original = dptta.DPTTA(tiny_vit(), mine, clip=1.0, lr=0.1)
+    original(x)
+    assert all(torch.equal(p, original.theta0[n]) for n, p in original.params.items())  # reset
+    private = dptta.DPTTA(tiny_vit(), dptta.private(mine), eps=5, clip=1.0, lr=0.1)
+    private(x)
+    private(x)
+    assert not any(torch.equal(p, private.theta0[n]) for n, p in private.params.items())
+
+
 def per_sample_grad_at(model, names, x, keep, shift=None):
     """Per-sample entropy gradients at θ + shift for the kept samples, by a plain loop."""
     rows = [grad_at(model, names, x[i:i + 1], shift) for i in range(len(x)) if keep[i]]
@@ -2047,6 +2065,25 @@ def test_dp_norm_takes_a_positive_count_of_layers_only(layers):
         dptta.DPTTA(bn_net(), "dp_norm", eps=5, bn_layers=layers)
 
 
+def test_a_refused_dp_norm_leaves_its_model_unclaimed_and_its_reach_is_checked_at_sigma_l():
+    """DPNorm's own refusals come before DPTTA claims and switches the model: a refused one
+    leaves no claim, even while its traceback lives on (as a notebook keeps the last one),
+    and no mode switched. The sampler's reach is checked at σ_l = √L·σ over L releases, the
+    σ dp_norm draws with, not at σ: at ε = 50 its 3 layers are accepted, one is refused, as
+    dp_tent is (it was refused at any L)."""
+    m = bn_net().train()
+    with pytest.raises(ValueError, match="bn_layers must be a count") as refused:
+        dptta.DPTTA(m, "dp_norm", eps=5, bn_layers=9)
+    assert refused.traceback  # (the refused adapter's frame is still referenced here)
+    assert all(mod.training for mod in m.modules()) and all(p.requires_grad for p in m.parameters())
+    dptta.DPTTA(m.eval(), "norm")  # no claim was left on it
+    a = dptta.DPTTA(bn_net(), "dp_norm", eps=50)
+    assert a.releases == 3 and a.sigma == pytest.approx(3**0.5 * dptta.calibrate_sigma(eps=50, delta=1e-6))
+    for method, kwargs in (("dp_norm", dict(bn_layers=1)), ("dp_tent", dict(clip=1.0, lr=0.1))):
+        with pytest.raises(ValueError, match="too small for the sampler"):
+            dptta.DPTTA(tiny_vit() if method == "dp_tent" else bn_net(), method, eps=50, **kwargs)
+
+
 def test_batchnorm_without_running_statistics_is_refused_where_it_would_couple_samples():
     """track_running_stats=False: BN normalizes with the batch even in eval mode, so under
     bn="source" a sample's loss would depend on the others (and dp_norm has nothing to
@@ -2069,6 +2106,22 @@ def test_batchnorm_without_running_statistics_is_refused_where_it_would_couple_s
         dptta.per_sample_grads(m, {"1.weight": m[1].weight}, entropy_loss,
                                images(3, dtype=torch.float64))
     dptta.DPTTA(model(), "tent", lr=0.1)(images(3, dtype=torch.float64))  # Tent's own setting
+
+
+def test_a_private_adapter_refuses_a_batchnorm_switched_to_the_batch_after_it_was_built():
+    """model.train() on the adapter's model, after the adapter was built, makes its BatchNorm
+    normalize with the batch (and blend the raw batch mean into running_mean, which
+    state_dict() holds): dp_norm and a private step on a frozen BatchNorm (its accumulate
+    window's predictions too) refuse the batch before any forward; nothing moved."""
+    for method, kwargs in (("dp_norm", {}), ("dp_tent", dict(bn="source", accumulate=2))):
+        m = bn_net()
+        a = dptta.DPTTA(m, method, **kw(method, **kwargs))
+        means = [b.running_mean.clone() for b in m.modules() if isinstance(b, nn.BatchNorm2d)]
+        m.train()
+        with pytest.raises(ValueError, match="couples the batch: a private step mixes no samples"):
+            a(images(4, dtype=torch.float64))
+        after = [b.running_mean for b in m.modules() if isinstance(b, nn.BatchNorm2d)]
+        assert all(torch.equal(u, v) for u, v in zip(means, after)) and not a.window
 
 
 def test_a_step_that_fails_keeps_no_release(monkeypatch):
@@ -2582,6 +2635,10 @@ def bad_input_cases(root, ckpt):
         "eps nan": (ok + ["--eps", "nan"], "--eps must be > 0"),
         "eps overflows": (ok + ["--eps", "1e400"], "1e400 overflows a float"),
         "eps huge": (ok + ["--eps", "1e300"], "--eps must be > 0 and <= 1e+06"),
+        # 2 versions of a photo in one batch move the sum by 4C: the reach as at the image's σ
+        "mixed photo past the reach": (ok + ["--corruptions", "gaussian_noise,shot_noise",
+                                             "--setting", "mixed", "--privacy-unit", "photo",
+                                             "--eps", "50"], "too small for the sampler"),
         "noise seed not private": (ok + ["--method", "tent", "--noise-seed", "1"],
                                    "--noise-seed applies"),
         "noise seed clip only": (ok + ["--eps", "inf", "--noise-seed", "1"], "--noise-seed applies"),
@@ -2899,6 +2956,7 @@ def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp
             assert dptta.main(argv + ["--out", str(out)]) == 0
             ends.append(final_record(out))
             saved[0].write_bytes(copy_of_state)
+            saved[0].chmod(0o600)  # (restored as the runner writes it: private)
             out.write_text(copy_of_records)
         capsys.readouterr()
         assert dptta.main(argv + noise + ["--out", str(out)]) == 0
@@ -2913,6 +2971,51 @@ def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp
     assert seeded["accuracy"] == whole["accuracy"] and seeded["drift"] == whole["drift"]
     assert secret_1["drift"] == secret_2["drift"] != whole["drift"]
     assert seeded["ledger"]["noise"] == "replayed" and secret_1["ledger"]["noise"] == "secret"
+
+
+class Payload:
+    """A pickle that runs a command when it is loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_state_file_is_private_and_never_a_planted_file_or_code(tree, tmp_path, monkeypatch,
+                                                                  capsys):
+    """The state holds the noise key, at a name anyone can compute from the run's flags. A
+    .tmp planted at it (a link to a file others read) is removed, never written through; a
+    state others can read, or one that is not a plain file, is refused; a state that is a
+    pickle of code is not run (weights_only), only refused as damaged."""
+    root, ckpt = tree
+    out = tmp_path / "r.jsonl"
+    argv = ["--data", str(root), "--checkpoint", str(ckpt), "--out", str(out)] + RESUMABLE
+    killed_in("shot_noise", monkeypatch)
+    assert dptta.main(argv) == 130
+    state = next(tmp_path.glob("r.jsonl.*.pt"))
+    state.unlink()
+    out.unlink()
+    victim = tmp_path / "readable-by-all"
+    victim.write_bytes(b"")
+    victim.chmod(0o644)
+    os.symlink(victim, f"{state}.tmp")  # planted before the run's first save
+    capsys.readouterr()
+    assert dptta.main(argv[:-1]) == 130  # a fresh run, killed in its second stream again
+    monkeypatch.undo()
+    assert victim.read_bytes() == b"" and not os.path.islink(state)
+    assert stat.S_IMODE(os.stat(state).st_mode) == 0o600
+    for mode, message in ((0o644, "only it reads"), (0o600, "is damaged")):
+        if mode == 0o600:  # code in the pickle: refused, not run
+            torch.save({"key": Payload(tmp_path / "ran")}, state)
+        state.chmod(mode)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            dptta.main(argv)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "ran").exists()
 
 
 @pytest.mark.parametrize("becomes", ["a folder", "a FIFO"])
@@ -3123,6 +3226,7 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     older = torch.load(io.BytesIO(good), weights_only=False)
     older["adapter"]["generators"] = older.pop("noise"), older["adapter"].pop("shuffles")
     torch.save(older, state)  # as the dptta before this one saved it: the noise in the adapter
+    state.chmod(0o600)
     with pytest.raises(SystemExit) as e:
         dptta.main(argv)
     assert e.value.code == 2 and "from an older dptta" in capsys.readouterr().err
@@ -3133,16 +3237,19 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
         older.update(older_field)
         older = {k: v for k, v in older.items() if v is not None}
         torch.save(older, state)  # as an earlier dptta saved it
+        state.chmod(0o600)
         with pytest.raises(SystemExit) as e:
             dptta.main(argv)
         assert e.value.code == 2 and "from an older dptta" in capsys.readouterr().err, older_field
     elsewhere = torch.load(io.BytesIO(good), weights_only=False)
     elsewhere["device"] = "cuda"  # a replay there would compute other releases
     torch.save(elsewhere, state)
+    state.chmod(0o600)
     with pytest.raises(SystemExit) as e:
         dptta.main(argv)
     assert e.value.code == 2 and "saved on cuda: --device cuda resumes it" in capsys.readouterr().err
     state.write_bytes(good)
+    state.chmod(0o600)
     assert dptta.main(argv) == 0 and not state.exists()
     state.write_bytes(good)  # as if killed between the run's record and the state's removal
     assert dptta.main(argv) == 0 and "already in" in capsys.readouterr().out
