@@ -19,8 +19,8 @@ let anyone subtract it), and kept out of every copy, pickle and checkpoint.
     python dptta.py --method dp_deyo --eps 5                   # ImageNet-C, $IMAGENET_C, GPU
     adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)  # the library: Part I
 
-Part I (to the Part II banner: the accountant, the per-sample pass, the methods, DPTTA and
-DPNorm) is the method, with torch, numpy and scipy only: copy it. Part II streams ImageNet-C
+Part I (to the Part II banner: the accountant, the per-sample pass, the methods, DPTTA,
+DPNorm and the paper's tuned values) is the method, with torch, numpy and scipy only: copy it. Part II streams ImageNet-C
 through it from the command line; the Appendix holds the tools (--summarize, --benchmark,
 --audit).
 """
@@ -1289,8 +1289,75 @@ class DPNorm(DPTTA):
         self._normalize(name)
 
 
+# ----------------------------------------------------------------------------
+# The paper's hyperparameters: ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream
+TUNED_EPS = (20, 15, 10, 5, 1)
+# dp_<method>'s (C, lr) at each tuned ε: setting -> method -> {ε: (C, lr)}
+PAPER_DP = dict(
+    continual=dict(
+        tent={20: (0.1, 0.1), 15: (0.1, 0.05), 10: (0.1, 0.05), 5: (1, 1e-3), 1: (0.1, 5e-3)},
+        eata={20: (1, 0.01), 15: (1, 5e-3), 10: (1, 5e-3), 5: (10, 1e-4), 1: (0.1, 5e-3)},
+        sar={20: (10, 5e-4), 15: (10, 5e-4), 10: (15, 1e-4), 5: (15, 1e-4), 1: (5, 1e-4)},
+        deyo={20: (10, 5e-5), 15: (10, 5e-5), 10: (1, 5e-4), 5: (0.1, 5e-3), 1: (0.1, 5e-3)},
+        deyo_come={20: (10, 1e-3), 15: (5, 1e-3), 10: (1, 5e-3), 5: (5, 1e-3), 1: (0.1, 5e-3)},
+    ),
+    episodic=dict(
+        tent={20: (1, 0.05), 15: (0.1, 0.5), 10: (0.1, 0.1), 5: (0.1, 0.1), 1: (1, 1e-3)},
+        eata={20: (10, 5e-3), 15: (0.1, 0.5), 10: (0.1, 0.5), 5: (0.1, 0.1), 1: (0.1, 0.01)},
+        sar={20: (1, 0.05), 15: (10, 1e-3), 10: (1, 0.01), 5: (0.1, 0.1), 1: (0.1, 0.01)},
+        deyo={20: (1, 0.01), 15: (1, 0.01), 10: (10, 1e-3), 5: (0.1, 0.1), 1: (0.1, 1e-3)},
+        deyo_come={20: (10, 5e-3), 15: (1, 0.05), 10: (0.1, 0.1), 5: (0.1, 0.1), 1: (0.1, 0.01)},
+    ),
+)
+# the clip-only originals (filters kept, per-sample clip, no noise): (C, lr)
+PAPER_CLIP_ONLY = dict(
+    continual=dict(
+        tent=(0.1, 0.5), eata=(0.1, 0.5), sar=(1, 0.1), deyo=(10, 0.01), deyo_come=(20, 0.01)
+    ),
+    episodic=dict(
+        tent=(1, 0.1), eata=(30, 5e-3), sar=(5, 0.05), deyo=(35, 5e-3), deyo_come=(20, 0.01)
+    ),
+)
+PAPER_LR = dict(  # the non-private originals' lr
+    continual=dict(tent=1e-4, eata=5e-4, sar=5e-3, deyo=5e-4, deyo_come=5e-4),
+    episodic=dict(tent=1e-3, eata=1e-3, sar=5e-3, deyo=1e-3, deyo_come=1e-3),
+)
+# Constants the paper's scripts ran that differ from the originals' (filters only, so they
+# matter for the originals and clip-only runs): SAR's E0 = 0.5·ln K, DeYO's τ_PLPD = 0.3
+PAPER_CONSTANTS = dict(
+    sar=dict(e_margin=0.5), deyo=dict(plpd_threshold=0.3), deyo_come=dict(plpd_threshold=0.3)
+)
+
+
+def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
+    """(C, lr, where they come from) in the paper's tables; an original with a clip, and a DP
+    variant at ε = inf (no noise), take the clip-only row. COME alone has no row (Tent's is
+    used); an ε the paper did not tune takes the nearest tuned ε on a log scale; a method of
+    the user's own has none."""
+    private, base = METHODS[method].private, method.removeprefix("dp_")
+    table, note = base, ""
+    if base == "come":  # the paper has no row for COME alone: Tent's, a plain step with no filter
+        table, note = "tent", "; no entry for come alone, tent's used"
+    if METHODS[method].step not in ("plain", "sam"):
+        return None, None, "no gradient step"
+    if table not in PAPER_LR["continual"]:
+        return None, None, f"no paper values for {method}"
+    if not private and clip is None:
+        return None, PAPER_LR[setting][table], f"paper, non-private {table}, {setting}{note}"
+    if not private or math.isinf(eps):
+        C, lr = PAPER_CLIP_ONLY[setting][table]
+        if private:  # the paper tuned no DP variant at ε = inf (no filter, no noise)
+            note += f"; for dp_{table} at ε=inf, unfiltered"
+        return C, lr, f"paper, clip-only {table}, {setting}{note}"
+    near = min(TUNED_EPS, key=lambda e: abs(math.log(e / eps)))
+    if near != eps:
+        note += f"; ε={eps:g} not tuned, nearest tuned ε={near} (log scale) used"
+    C, lr = PAPER_DP[setting][table][near]
+    return C, lr, f"paper, dp_{table} ε={near}, {setting}{note}"
+
+
 # ============================================================================
-# Part II: ImageNet-C from the command line (data, the paper's values, records, main)
+# Part II: ImageNet-C from the command line (data, checks, records, main)
 import argparse
 import fcntl
 import functools
@@ -1568,73 +1635,6 @@ def file_digest(path):
             return hashlib.sha256(f.read()).digest()
     except OSError as e:
         fail(f"--fisher-data: cannot compare {path} with the stream's files: {one_line(e)}")
-
-
-# ----------------------------------------------------------------------------
-# The paper's hyperparameters: ViT-B/16, batch 64, δ = 1e-6, tuned on the test stream
-TUNED_EPS = (20, 15, 10, 5, 1)
-# dp_<method>'s (C, lr) at each tuned ε: setting -> method -> {ε: (C, lr)}
-PAPER_DP = dict(
-    continual=dict(
-        tent={20: (0.1, 0.1), 15: (0.1, 0.05), 10: (0.1, 0.05), 5: (1, 1e-3), 1: (0.1, 5e-3)},
-        eata={20: (1, 0.01), 15: (1, 5e-3), 10: (1, 5e-3), 5: (10, 1e-4), 1: (0.1, 5e-3)},
-        sar={20: (10, 5e-4), 15: (10, 5e-4), 10: (15, 1e-4), 5: (15, 1e-4), 1: (5, 1e-4)},
-        deyo={20: (10, 5e-5), 15: (10, 5e-5), 10: (1, 5e-4), 5: (0.1, 5e-3), 1: (0.1, 5e-3)},
-        deyo_come={20: (10, 1e-3), 15: (5, 1e-3), 10: (1, 5e-3), 5: (5, 1e-3), 1: (0.1, 5e-3)},
-    ),
-    episodic=dict(
-        tent={20: (1, 0.05), 15: (0.1, 0.5), 10: (0.1, 0.1), 5: (0.1, 0.1), 1: (1, 1e-3)},
-        eata={20: (10, 5e-3), 15: (0.1, 0.5), 10: (0.1, 0.5), 5: (0.1, 0.1), 1: (0.1, 0.01)},
-        sar={20: (1, 0.05), 15: (10, 1e-3), 10: (1, 0.01), 5: (0.1, 0.1), 1: (0.1, 0.01)},
-        deyo={20: (1, 0.01), 15: (1, 0.01), 10: (10, 1e-3), 5: (0.1, 0.1), 1: (0.1, 1e-3)},
-        deyo_come={20: (10, 5e-3), 15: (1, 0.05), 10: (0.1, 0.1), 5: (0.1, 0.1), 1: (0.1, 0.01)},
-    ),
-)
-# the clip-only originals (filters kept, per-sample clip, no noise): (C, lr)
-PAPER_CLIP_ONLY = dict(
-    continual=dict(
-        tent=(0.1, 0.5), eata=(0.1, 0.5), sar=(1, 0.1), deyo=(10, 0.01), deyo_come=(20, 0.01)
-    ),
-    episodic=dict(
-        tent=(1, 0.1), eata=(30, 5e-3), sar=(5, 0.05), deyo=(35, 5e-3), deyo_come=(20, 0.01)
-    ),
-)
-PAPER_LR = dict(  # the non-private originals' lr
-    continual=dict(tent=1e-4, eata=5e-4, sar=5e-3, deyo=5e-4, deyo_come=5e-4),
-    episodic=dict(tent=1e-3, eata=1e-3, sar=5e-3, deyo=1e-3, deyo_come=1e-3),
-)
-# Constants the paper's scripts ran that differ from the originals' (filters only, so they
-# matter for the originals and clip-only runs): SAR's E0 = 0.5·ln K, DeYO's τ_PLPD = 0.3
-PAPER_CONSTANTS = dict(
-    sar=dict(e_margin=0.5), deyo=dict(plpd_threshold=0.3), deyo_come=dict(plpd_threshold=0.3)
-)
-
-
-def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
-    """(C, lr, where they come from) in the paper's tables; an original with a clip, and a DP
-    variant at ε = inf (no noise), take the clip-only row. COME alone has no row (Tent's is
-    used); an ε the paper did not tune takes the nearest tuned ε on a log scale; a method of
-    the user's own has none."""
-    private, base = METHODS[method].private, method.removeprefix("dp_")
-    table, note = base, ""
-    if base == "come":  # the paper has no row for COME alone: Tent's, a plain step with no filter
-        table, note = "tent", "; no entry for come alone, tent's used"
-    if METHODS[method].step not in ("plain", "sam"):
-        return None, None, "no gradient step"
-    if table not in PAPER_LR["continual"]:
-        return None, None, f"no paper values for {method}"
-    if not private and clip is None:
-        return None, PAPER_LR[setting][table], f"paper, non-private {table}, {setting}{note}"
-    if not private or math.isinf(eps):
-        C, lr = PAPER_CLIP_ONLY[setting][table]
-        if private:  # the paper tuned no DP variant at ε = inf (no filter, no noise)
-            note += f"; for dp_{table} at ε=inf, unfiltered"
-        return C, lr, f"paper, clip-only {table}, {setting}{note}"
-    near = min(TUNED_EPS, key=lambda e: abs(math.log(e / eps)))
-    if near != eps:
-        note += f"; ε={eps:g} not tuned, nearest tuned ε={near} (log scale) used"
-    C, lr = PAPER_DP[setting][table][near]
-    return C, lr, f"paper, dp_{table} ε={near}, {setting}{note}"
 
 
 # The constants --hp NAME=VALUE may set: (type, low, high), an open interval

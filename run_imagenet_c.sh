@@ -51,7 +51,8 @@ for v in SEEDS SETTINGS BATCHES METHODS VARIANTS EPSILONS; do
 done
 # (set but empty: refused, never the whole grid)
 SEEDS=${SEEDS-"0 1 2"}; SETTINGS=${SETTINGS-"continual episodic"}; BATCHES=${BATCHES-64}
-METHODS=${METHODS-"source tent eata sar deyo deyo_come"}; VARIANTS=${VARIANTS-"plain clip dp"}
+ALL_METHODS="source tent eata sar deyo deyo_come"  # the paper's five, and the source
+METHODS=${METHODS-$ALL_METHODS}; VARIANTS=${VARIANTS-"plain clip dp"}
 EPSILONS=${EPSILONS-"20 15 10 5 1"}
 OUT=${OUT:-results.jsonl}; TUNE_OUT=${TUNE_OUT:-tune.jsonl}; TUNED=${TUNED:-tuned.json}
 EXTRA=${EXTRA:-}; PYTHON=${PYTHON:-python3}
@@ -82,10 +83,9 @@ esac
 
 # One line of dptta.py flags per cell, from dptta's own tables of the paper's values.
 grid() {
-  STAGE=$stage GIVEN=$given SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS BATCHES=$BATCHES \
+  STAGE=$stage GIVEN=$given ALL_METHODS=$ALL_METHODS SEEDS=$SEEDS SETTINGS=$SETTINGS METHODS=$METHODS VARIANTS=$VARIANTS BATCHES=$BATCHES \
   EPSILONS=$EPSILONS TUNED=$([ $tuned = 1 ] && echo "$TUNED") "$PYTHON" - <<'PY'
 import itertools, json, os, sys
-import dptta
 env = {k: os.environ[k].split()
        for k in ("SEEDS", "SETTINGS", "METHODS", "VARIANTS", "EPSILONS", "BATCHES")}
 stage = os.environ["STAGE"]
@@ -101,7 +101,7 @@ if os.environ["TUNED"]:
         print(f"run_imagenet_c.sh: {os.environ['TUNED']} is not the tune stage's JSON",
               file=sys.stderr)
         sys.exit(2)
-allowed = {"METHODS": ("source",) + tuple(dptta.PAPER_LR["continual"]),  # the paper's five
+allowed = {"METHODS": tuple(os.environ["ALL_METHODS"].split()),
            "VARIANTS": ("plain", "clip", "dp"), "SETTINGS": ("continual", "episodic"),
            "BATCHES": ("1", "2", "4", "8", "16", "32", "64"),
            "EPSILONS": ("20", "15", "10", "5", "1") if stage == "main" and tuned is None
@@ -154,6 +154,7 @@ if "EPSILONS" in given and "dp" not in env["VARIANTS"]:
 for name in ("VARIANTS", "EPSILONS", "BATCHES"):  # source has no variant, ε or window
     if name in given and not methods:
         refuse(f"{name}: METHODS has no method but source")
+import dptta  # (after the checks above: a bad variable is refused without torch's seconds)
 
 
 def chosen(key, paper):  # (C, lr): the paper's, or with --tuned the tune stage's, none missing

@@ -1375,12 +1375,13 @@ for method in ("dp_deyo", "dp_eata", "dp_sar", "sar"):
     a(torch.randn(8, 3, 16, 16)), a(torch.randn(8, 3, 16, 16))
     assert all(torch.isfinite(p).all() for p in a.params.values())
 print(f"{d.calibrate_sigma(eps=5, delta=1e-6):.4f} {d.gdp_epsilon(sigma=1.9601, delta=1e-6):.3f}")
+print(*d.paper_hparams("dp_deyo", eps=5)[:2])  # the README's library example: the paper's values
 """
 
 
 def test_part_one_copied_as_a_block_is_a_library_on_its_own(tmp_path):
     """Lines 1 to the Part II banner: a working library with only torch, numpy and scipy (the
-    later parts' imports are blocked)."""
+    later parts' imports are blocked), the paper's tuned values included."""
     with open(os.path.join(HERE, "dptta.py")) as f:
         source = f.read()
     block = source[:source.index("# Part II")].rsplit("# ====", 1)[0].rstrip() + "\n"
@@ -1388,7 +1389,7 @@ def test_part_one_copied_as_a_block_is_a_library_on_its_own(tmp_path):
     r = subprocess.run([sys.executable, "-c", PART_ONE_ALONE], cwd=tmp_path, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["1.9601", "5.000"]
+    assert r.stdout.split() == ["1.9601", "5.000", "0.1", "0.005"]
 
 
 # ----------------------------------------------------------------------------
