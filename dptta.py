@@ -9,7 +9,8 @@ differentially private, so that θ and every prediction for *other* images can b
     θ  ← SGD-momentum(θ, Δ)                                post-processing: free
 
 What is private: one test image, against streams that differ by replacing it (so one
-clipped gradient moves the sum by at most 2C). Each image is in one step, and later steps
+clipped gradient moves the sum by at most 2C). A release is one noisy sum made public: a
+step's Δ (dp_norm: one BatchNorm layer's moments). Each image is in one step, and later steps
 see it only through θ, so the whole stream is μ-GDP with μ = 2/σ (Dong, Roth & Su 2022):
 δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ). The noise is secret: drawn from a
 cryptographic stream keyed from OS entropy (a known seed, or a predictable generator, would
@@ -741,8 +742,8 @@ class DPTTA(nn.Module):
         need(eps is None or method.private, f"eps is for dp_ methods only, not {name}")
         need(eps is not None or not method.private, f"{name} needs eps (inf: clip only)")
         # σ(ε, δ), and the check of eps, delta and repeats (calibrate_sigma refuses bad ones)
-        noisy_eps = math.inf if eps is None else eps  # the originals: no noise
-        self.sigma = calibrate_sigma(eps=noisy_eps, delta=delta, repeats=repeats)
+        eps_for_sigma = math.inf if eps is None else eps  # the originals: no noise
+        self.sigma = calibrate_sigma(eps=eps_for_sigma, delta=delta, repeats=repeats)
         need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
         bad_clip = f"clip must be finite and > 0 (fp32), got {clip}"
         need(clip is None or 0 < clip <= FP32_MAX, bad_clip)
