@@ -21,9 +21,9 @@ let anyone subtract it), and kept out of every copy, pickle and checkpoint.
     adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)  # the library: Part I
 
 Part I (to the Part II banner: the accountant, the per-sample pass, the methods, DPTTA,
-DPNorm and the paper's tuned values) is the method, with torch, numpy and scipy only: copy it. Part II streams ImageNet-C
-through it from the command line; the Appendix holds the tools (--summarize, --benchmark,
---audit).
+DPNorm and the paper's tuned values) is the method, with torch, numpy and scipy only: copy
+it. Part II streams ImageNet-C through it from the command line; the Appendix holds the
+tools (--summarize, --benchmark, --audit).
 """
 
 # ============================================================================
@@ -160,6 +160,13 @@ def couples_samples(module):
     return isinstance(module, BATCH_NORM) and (module.training or module.running_mean is None)
 
 
+def refuse_coupled_samples(model, why):
+    """A ValueError naming the model's BatchNorm layers that couple the samples, if any."""
+    coupled = [n for n, m in model.named_modules() if couples_samples(m)]  # (itself: "")
+    mode = "in train mode or without running statistics couples the batch"
+    need(not coupled, f"BatchNorm {coupled} {mode}: {why}")
+
+
 def _trunk_cut(model):
     """The name of the module where the trunk's top starts; SAR and DeYO adapt the norms
     registered before it. The trunk is the first container (Sequential, ModuleList) named
@@ -245,9 +252,7 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     the pass (SDPA's math kernel on CPU, nn.MultiheadAttention without its fast path,
     adaptive pooling fed a contiguous input), and vmap's per-sample fallback is made an
     error (_without_fallback)."""
-    coupled = [n for n, m in model.named_modules() if couples_samples(m)]  # (itself: "")
-    why = "in train mode or without running statistics couples the batch"
-    need(not coupled, f"BatchNorm {coupled} {why}: no per-sample gradients")
+    refuse_coupled_samples(model, "no per-sample gradients")
     frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
     frozen.update(model.named_buffers())
     if chunk_size is None:  # the whole batch on a GPU; on a CPU 8, which stay in cache
@@ -847,10 +852,8 @@ class DPTTA(nn.Module):
             with torch.no_grad():
                 return logits_of(self.model(x))
         if self.method.private:  # (a model.train() since: its predictions would mix the batch)
-            coupled = [n for n, m in self.model.named_modules() if couples_samples(m)]
-            why = "in train mode or without running statistics couples the batch"
-            need(not coupled, f"BatchNorm {coupled} {why}: a private step mixes no samples "
-                 "(model.train() called since the adapter was built?)")
+            why = "a private step mixes no samples (model.train() since the adapter was built?)"
+            refuse_coupled_samples(self.model, why)
         if self.accumulate == 1:
             return self._update(x)
         # accumulate=k: predict each batch with θ, step once k have come. θ is fixed within a
@@ -1153,7 +1156,7 @@ class DPNorm(DPTTA):
     dp_norm releases them privately. Before each of the first bn_layers BatchNorm layers
     (default all: L layers) runs, the batch's moments are released:
 
-        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),  c = bn_scale·√(2·C)
+        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),  c = bn_scale·√(2C)
 
     (C: the layer's channels; v_i has two moments per channel.)
     Replacing one image moves the sum by at most 2c, so each release is (2/σ_l)-GDP; an
