@@ -2622,11 +2622,16 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
     # (on another device the replay would compute other releases under the same noise, and the
-    # shuffles' generator is its device's)
+    # shuffles' generator is its device's; so would another torch, GPU or CPU thread count,
+    # whose sums round otherwise: the replay assumes the same arithmetic)
     run["device"] = args.device
+    where = f"{torch.get_num_threads()} CPU threads"
+    if args.device == "cuda":
+        where = torch.cuda.get_device_name()
+    run["arithmetic"] = f"torch {torch.__version__}, {where}"
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
     if resume is not None:
-        run = resumed(args, adapter, resume, key, state, mine, run["data"])
+        run = resumed(args, adapter, resume, key, state, mine, run)
     start = time.time() - run["wall"]
     status["run"] = run
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
@@ -2683,20 +2688,26 @@ def run_state(run, adapter):
     return dict(run, adapter=adapter.get_extra_state(), noise=adapter.noise.get_state())
 
 
-def resumed(args, adapter, resume, key, state, mine, data):
+def resumed(args, adapter, resume, key, state, mine, run):
     """A killed run's bookkeeping, its adapter where it stood; the records the state holds
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
-    # (before the keyed stream "noise" was a torch generator's state; "data", "device" came later)
+    # (before the keyed stream "noise" was a torch generator's state; "data", "device" and
+    # "arithmetic" came later)
     current = (
         isinstance(resume.get("noise"), dict)
         and isinstance(resume.get("data"), dict)
         and "device" in resume
+        and "arithmetic" in resume
     )
     require(current, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
     saved_on = resume["device"]
     elsewhere = f"{state} was saved on {saved_on}: --device {saved_on} resumes it"
     require(saved_on == args.device, elsewhere)
+    saved_under = f"{state} was saved under {resume['arithmetic']}, not {run['arithmetic']}"
+    other = "its replay would compute other releases under the same noise"
+    require(resume["arithmetic"] == run["arithmetic"], f"{saved_under}: {other}; {NEW_RUN}")
+    data = run["data"]
     for name in sorted(set(data) | set(resume["data"])):  # each folder's digest now and then
         if resume["data"].get(name) != data.get(name):
             fail(

@@ -3203,7 +3203,8 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
         tree, tmp_path, monkeypatch, capsys):
     """Fresh noise on images whose releases are out is a second, uncounted release: a damaged
     or missing state of a run with records, or one an older dptta saved, is refused (one line,
-    exit 2), never restarted. A
+    exit 2), never restarted; so is one saved on another device or under another arithmetic
+    (torch, GPU, CPU threads), where the replay would round otherwise under the same noise. A
     state left by a kill after the run's record goes when the rerun finds the run done."""
     root, ckpt = tree
     out = tmp_path / "r.jsonl"
@@ -3233,7 +3234,8 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     assert e.value.code == 2 and "from an older dptta" in capsys.readouterr().err
     for older_field in (dict(data="0" * 64),  # one digest for all the streams
                         dict(noise=torch.Generator().get_state()),  # torch's generator
-                        dict(device=None)):  # no device (None: the field removed)
+                        dict(device=None),  # no device (None: the field removed)
+                        dict(arithmetic=None)):  # no arithmetic
         older = torch.load(io.BytesIO(good), weights_only=False)
         older.update(older_field)
         older = {k: v for k, v in older.items() if v is not None}
@@ -3249,6 +3251,16 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     with pytest.raises(SystemExit) as e:
         dptta.main(argv)
     assert e.value.code == 2 and "saved on cuda: --device cuda resumes it" in capsys.readouterr().err
+    # another torch, or thread count: the replay's sums would round otherwise, under the same noise
+    elsewhere = torch.load(io.BytesIO(good), weights_only=False)
+    assert elsewhere["arithmetic"] == f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
+    elsewhere["arithmetic"] = f"torch {torch.__version__}, {torch.get_num_threads() + 1} CPU threads"
+    torch.save(elsewhere, state)
+    state.chmod(0o600)
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "its replay would compute other releases" in err, err
     state.write_bytes(good)
     state.chmod(0o600)
     assert dptta.main(argv) == 0 and not state.exists()
