@@ -791,8 +791,8 @@ class DPTTA(nn.Module):
         self.reset()
 
     def _check_model(self, model):
-        """The last checks, before the adapter claims and switches the model (DPNorm adds its
-        own): the sampler reaches far enough for σ over an image's releases."""
+        """The last check, before the adapter claims and switches the model: the sampler
+        reaches far enough for σ over an image's releases (DPNorm's own checks replace it)."""
         check_noise_reach(self.sigma, self.delta, self.releases * self.repeats)
 
     @staticmethod
