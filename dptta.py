@@ -1168,8 +1168,9 @@ class DPNorm(DPTTA):
     signal-to-noise ratio (estimated), and the layer normalizes with μ = μ_src + σ_src·a and
     σ² = σ_src²·v. Where the noise exceeds what the average can carry, a layer stays at the
     source's statistics: dp_norm then stays near the source's accuracy instead of losing
-    it (README: 0.7 points below it at worst in its table; 2.7 at ε = 0.5). BatchNorm layers after the first bn_layers
-    keep their source statistics; the model must run each BatchNorm module once per forward."""
+    it (README: 0.7 points below it at worst in its table; 2.7 at ε = 0.5). BatchNorm
+    layers after the first bn_layers keep their source statistics; the model must run each
+    BatchNorm module once per forward."""
 
     def __init__(self, model, method="dp_norm", **kwargs):
         super().__init__(model, method, **kwargs)  # its checks first: _check_model
