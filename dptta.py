@@ -851,9 +851,7 @@ class DPTTA(nn.Module):
         if self.method.step == "none" or not len(x):  # source; an empty batch: no step at all
             with torch.no_grad():
                 return logits_of(self.model(x))
-        if self.method.private:  # (a model.train() since: its predictions would mix the batch)
-            why = "a private step mixes no samples (model.train() since the adapter was built?)"
-            refuse_coupled_samples(self.model, why)
+        self._refuse_batch_statistics()
         if self.accumulate == 1:
             return self._update(x)
         # accumulate=k: predict each batch with θ, step once k have come. θ is fixed within a
@@ -871,8 +869,16 @@ class DPTTA(nn.Module):
     def flush(self):
         """A step on the pending window's batches; call it when a stream ends."""
         if self.window:
+            self._refuse_batch_statistics()
             x, self.window = torch.cat(self.window), []
             self._update(x)
+
+    def _refuse_batch_statistics(self):
+        """A private adapter's BatchNorm layers never normalize with the batch: a model.train()
+        since the adapter was built would mix the samples of its predictions and steps."""
+        if self.method.private:
+            why = "a private step mixes no samples (model.train() since the adapter was built?)"
+            refuse_coupled_samples(self.model, why)
 
     def _update(self, x):
         with torch.inference_mode(False), torch.enable_grad():  # callers under no_grad too
@@ -1156,9 +1162,9 @@ class DPNorm(DPTTA):
     dp_norm releases them privately. Before each of the first bn_layers BatchNorm layers
     (default all: L layers) runs, the batch's moments are released:
 
-        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),  c = bn_scale·√(2C)
+        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),  c = bn_scale·√(2·C)
 
-    (C: the layer's channels; v_i has two moments per channel.)
+    (C here: the layer's channels, not the clip; v_i has two moments per channel.)
     Replacing one image moves the sum by at most 2c, so each release is (2/σ_l)-GDP; an
     image is in one batch, and the L releases of a forward compose to 2√L/σ_l = 2/σ, so
     σ_l = √L·σ(ε, δ). The release's noise is known exactly, τ = σ_l·c/B per coordinate,
@@ -1404,6 +1410,11 @@ def reached_once(seen, path, node):
 class UnreadableFile(OSError):
     """A file the system could not read (permissions, a failing disk), unlike a corrupt
     image: it stops the run. Readable later, it would be another stream under the same noise."""
+
+
+def no_link(name, flags):
+    """An opener for open(): a symbolic link is not followed (OSError)."""
+    return os.open(name, flags | os.O_NOFOLLOW)
 
 
 def read_file(path):
@@ -2437,11 +2448,16 @@ def adapt_resumably(args, key, hp_note, state):
         warn(f"{state}: a killed run of this cell, replaced: this run starts afresh, and its "
              "releases and the killed run's both count (--resume would go on)")
     if args.resume and state and os.path.exists(state):
-        st = os.lstat(state)  # a state this user did not write, or others can read: not loaded
-        mine_alone = stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o77
-        require(mine_alone, f"{state} is not a file of this user's that only it reads: not loaded")
+        # a state this user did not write, or others can read, is not loaded: checked on the
+        # file opened (not a link), so that no other file can take its place in between
+        with contextlib.suppress(OSError), open(state, "rb", opener=no_link) as f:
+            st = os.fstat(f.fileno())
+            mine_alone = st.st_uid == os.getuid() and not st.st_mode & 0o77
+            if stat.S_ISREG(st.st_mode) and mine_alone:
+                resume = f.read()
+        require(resume is not None, f"{state} is not a file of this user's that only it reads")
         try:  # a killed run's state (weights_only: tensors and plain data, no code)
-            resume = torch.load(state, map_location=args.device, weights_only=True)
+            resume = torch.load(io.BytesIO(resume), map_location=args.device, weights_only=True)
             if not (isinstance(resume, dict) and {"key", "run_id", "records"} <= set(resume)):
                 raise ValueError("not a run's state")
         except Exception as e:

@@ -2123,6 +2123,12 @@ def test_a_private_adapter_refuses_a_batchnorm_switched_to_the_batch_after_it_wa
             a(images(4, dtype=torch.float64))
         after = [b.running_mean for b in m.modules() if isinstance(b, nn.BatchNorm2d)]
         assert all(torch.equal(u, v) for u, v in zip(means, after)) and not a.window
+    m = bn_net()  # switched inside a window: its step, at flush(), is refused too
+    a = dptta.DPTTA(m, "dp_norm", eps=5, accumulate=2)
+    a(images(4, dtype=torch.float64))
+    m.train()
+    with pytest.raises(ValueError, match="couples the batch: a private step mixes no samples"):
+        a.flush()
 
 
 def test_a_step_that_fails_keeps_no_release(monkeypatch):
@@ -3007,6 +3013,14 @@ def test_a_state_file_is_private_and_never_a_planted_file_or_code(tree, tmp_path
     monkeypatch.undo()
     assert victim.read_bytes() == b"" and not os.path.islink(state)
     assert stat.S_IMODE(os.stat(state).st_mode) == 0o600
+    real = tmp_path / "real-state.pt"  # a link to a private file in its place: not followed
+    os.replace(state, real)
+    os.symlink(real, state)
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv)
+    assert e.value.code == 2 and "only it reads" in capsys.readouterr().err
+    os.remove(state)
+    os.replace(real, state)
     for mode, message in ((0o644, "only it reads"), (0o600, "is damaged")):
         if mode == 0o600:  # code in the pickle: refused, not run
             torch.save({"key": Payload(tmp_path / "ran")}, state)
