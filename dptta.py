@@ -390,11 +390,16 @@ def check_noise_reach(sigma, delta, releases):
     mu = 2 / sigma
     tail = releases * math.exp(-((NOISE_RADIUS - mu) ** 2) / 2) if mu < NOISE_RADIUS else 1.0
     reach = f"its noise ends at {NOISE_RADIUS:.2f}σC, past which a release shows its neighbour"
-    need(tail <= delta / 1000, f"σ = {sigma:.4g} is too small for the sampler: {reach} with "
-         f"chance {tail:.1e} > delta/1000; use a smaller eps or a larger delta")
+    too_small = f"σ = {sigma:.4g} is too small for the sampler: {reach} with chance {tail:.1e}"
+    need(tail <= delta / 1000, f"{too_small} > delta/1000; use a smaller eps or a larger delta")
 
 
 FP32_MAX = torch.finfo(torch.float32).max  # C and lr meet θ in fp32: a larger one overflows
+FP32_TINY = torch.finfo(torch.float32).tiny  # and a C below fp32's normal numbers underflows
+# The release's lattice: the clipped sum and the noise are rounded to multiples of a power of
+# two γ with γ·√d <= η·2C, η = LATTICE (d: the release's coordinates); the noise is (1 + η)σC,
+# 0.1% more than σC (the paper's scripts round σ up by 0.3-1.7%)
+LATTICE = 2.0**-10
 
 
 def at_least_fp32(t):
@@ -411,8 +416,25 @@ def clip_and_noise(per_sample_grads, clip, sigma, noise_stream, tally=None):
     added after dividing would be B times too small). Fresh N(0, σ²C²) for every coordinate
     of every tensor, from noise_stream (a NoiseStream). A non-finite g_i counts as zero, a
     decision that reads sample i alone and keeps the sensitivity at 2C; tally["nonfinite"]
-    counts them."""
-    g = {n: at_least_fp32(t) for n, t in per_sample_grads.items()}
+    counts them.
+
+    Floating point. Float noise takes float values only, and t + z rounds on a grid that
+    depends on t: an adversary who computes the sum t of each candidate world can find a
+    coordinate of the release that the sampler could not have produced in one of them, and
+    name the image with certainty (Mironov 2012). So the sum S is computed in float64 (its
+    rounding, about B²·2^-53 of C, is far below γ) and rounded to S_γ, a multiple of γ, and so
+    is the noise: the release S_γ + round_γ(Z) = round_γ(S_γ + Z), Z ~ N(0, (1 + η)²σ²C²I),
+    is the Gaussian mechanism on S_γ rounded (post-processing), on the same lattice in every
+    world, computed exactly (integers below 2^53 times a power of two). Replacing one sample
+    moves S_γ by at most 2C + γ·√d <= 2C(1 + η), and the noise's 1 + η keeps μ = 2/σ. A zero
+    is +0.0 (round() gives −0.0 for (−½, 0), and −0.0 + −0.0 keeps its sign: it would show
+    that S_γ rounded from below). What remains unaccounted is the float64 sampler against
+    the ideal Gaussian within a lattice cell: its error, about 21·2^-53 in z, against a cell
+    γ ≈ 2^-9·C/√d (ViT-B/16's d = 38,000 at ε = 5: 2^-18σC) changes each cell's chance by
+    about 2^-30 relative, at most about 1e-4 in ε over all coordinates (4e-4 at ε = 1).
+    Δ is returned in the gradients' dtype (at least fp32), itself post-processing."""
+    dtypes = {n: at_least_fp32(t).dtype for n, t in per_sample_grads.items()}
+    g = {n: t.double() for n, t in per_sample_grads.items()}
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
     finite = torch.isfinite(norms)
     factor = (clip / norms.clamp(min=1e-12)).clamp(max=1.0)  # min(1, C/‖g_i‖)
@@ -424,12 +446,17 @@ def clip_and_noise(per_sample_grads, clip, sigma, noise_stream, tally=None):
         # a non-finite g_i is selected away, not scaled by 0: NaN·0 is NaN
         totals[name] = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
     if sigma > 0:  # one block of the stream for the whole release (one copy to a GPU)
+        need(FP32_TINY <= clip <= FP32_MAX, f"clip must be in fp32's normal range, got {clip}")
         sizes = [t.numel() for t in totals.values()]
+        # γ: the largest power of two with γ·√d <= η·2C
+        gamma = 2.0 ** math.floor(math.log2(2 * LATTICE * clip / math.sqrt(sum(sizes))))
+        scale = (1 + LATTICE) * sigma * (clip / gamma)  # the noise's standard deviation, in γ
         some = next(iter(totals.values()))
-        noise = noise_stream.normal(sum(sizes), some.device, some.dtype).split(sizes)
+        noise = noise_stream.normal(sum(sizes), some.device, torch.float64).split(sizes)
         for (name, total), z in zip(totals.items(), noise):
-            totals[name] = total + sigma * clip * z.view_as(total)
-    return {name: total / len(norms) for name, total in totals.items()}
+            steps = torch.round(total / gamma) + torch.round(scale * z.view_as(total))
+            totals[name] = (steps + 0.0) * gamma  # S_γ + round_γ(Z); −0.0 + 0.0 = +0.0
+    return {name: (total / len(norms)).to(dtypes[name]) for name, total in totals.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -750,8 +777,9 @@ class DPTTA(nn.Module):
         eps_for_sigma = math.inf if eps is None else eps  # the originals: no noise
         self.sigma = calibrate_sigma(eps=eps_for_sigma, delta=delta, repeats=repeats)
         need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
-        bad_clip = f"clip must be finite and > 0 (fp32), got {clip}"
-        need(clip is None or 0 < clip <= FP32_MAX, bad_clip)
+        fp32 = f"fp32: {FP32_TINY:.2g} to {FP32_MAX:.2g}"
+        bad_clip = f"clip must be finite and > 0 ({fp32}), got {clip}"
+        need(clip is None or FP32_TINY <= clip <= FP32_MAX, bad_clip)
         need(not gradient or lr is not None and 0 < lr <= FP32_MAX, f"{name} needs a finite lr > 0")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
@@ -1374,6 +1402,7 @@ import fcntl
 import functools
 import io
 import json
+import platform
 import signal
 import stat
 import sys
@@ -1381,7 +1410,9 @@ import tempfile
 import time
 import uuid
 
+import PIL
 import timm
+import torchvision
 from PIL import Image
 from torch.utils.data import DataLoader, Subset, default_collate
 from torchvision.datasets import ImageFolder
@@ -1668,7 +1699,7 @@ HP_TYPES = dict(
     fisher_lambda=(float, 0, math.inf),
     fisher_size=(int, 0, math.inf),
     bn_layers=(int, 0, math.inf),
-    bn_scale=(float, 0, math.inf),
+    bn_scale=(float, 1e-30, 1e30),  # its clip c = bn_scale·√(2·channels): within fp32
 )
 
 
@@ -2173,9 +2204,9 @@ def privacy_ledger(adapter, streams, rounds, privacy_unit, mixed):
     k, photo = photo_factor(streams, mixed) * rounds, f"{streams} stream(s) x {rounds} round(s)"
     if mixed:
         photo = f"{streams} version(s) in one mixed stream, a step at worst, x {rounds} round(s)"
-    unit = f"one test image, replace-one neighbours, in {rounds} step(s)"
+    unit = f"one test image, replaced in place in a public order, in {rounds} step(s)"
     if privacy_unit == "photo":
-        unit = f"one photo, replace-one neighbours, its {photo}"
+        unit = f"one photo, replaced in place in a public order, its {photo}"
     ledger = dict(private=True, eps=adapter.eps, delta=delta, privacy_unit=privacy_unit, unit=unit)
     ledger.update(
         clip=adapter.clip, sigma=sigma, releases=adapter.releases, sigma_per_release=adapter.sigma
@@ -2366,8 +2397,12 @@ def drift_of(adapter):
 
 
 def _stop(signum, frame):
+    """A signal stops the run: the first raises KeyboardInterrupt; a later one is only recorded
+    (raised inside the cleanup, stopping the loader's workers, it would leave them running and
+    the run waiting for them forever)."""
     STOP.append(signum)
-    raise KeyboardInterrupt
+    if len(STOP) == 1:
+        raise KeyboardInterrupt
 
 
 def main(argv=None):
@@ -2444,17 +2479,15 @@ def adapt_resumably(args, key, hp_note, state):
             os.remove(state)
         return 0
     resume = None
-    if not args.resume and state and os.path.exists(state):  # (the user's choice: said, not refused)
-        warn(f"{state}: a killed run of this cell, replaced: this run starts afresh, and its "
-             "releases and the killed run's both count (--resume would go on)")
+    if not args.resume and state and os.path.exists(state):  # (the user's choice: said)
+        warn(
+            f"{state}: a killed run of this cell, replaced: this run starts afresh, and its "
+            "releases and the killed run's both count (--resume would go on)"
+        )
+    if args.resume and state and not os.path.exists(state):
+        refuse_a_moved_run(args, key, state)
     if args.resume and state and os.path.exists(state):
-        # a state this user did not write, or others can read, is not loaded: checked on the
-        # file opened (not a link), so that no other file can take its place in between
-        with contextlib.suppress(OSError), open(state, "rb", opener=no_link) as f:
-            st = os.fstat(f.fileno())
-            mine_alone = st.st_uid == os.getuid() and not st.st_mode & 0o77
-            if stat.S_ISREG(st.st_mode) and mine_alone:
-                resume = f.read()
+        resume = read_state(state)
         require(resume is not None, f"{state} is not a file of this user's that only it reads")
         try:  # a killed run's state (weights_only: tensors and plain data, no code)
             resume = torch.load(io.BytesIO(resume), map_location=args.device, weights_only=True)
@@ -2496,8 +2529,8 @@ def adapt_resumably(args, key, hp_note, state):
                 os.remove(state)
             print(f"dptta: {name} after the run's final record: it is complete", file=sys.stderr)
             return 0
-        done = run.get("done", [])
-        recorded = f"{len(done)} stream(s) recorded in {args.out}" if done else "no stream recorded"
+        done = status.get("recorded", 0)  # streams whose records are in --out (not just saved)
+        recorded = f"{done} stream(s) recorded in {args.out}" if done else "no stream recorded"
         resumable = state is not None and os.path.exists(state)
         how = "--resume goes on" if resumable else "nothing to resume"
         print(f"dptta: stopped by {name}; {recorded}, no final record ({how})", file=sys.stderr)
@@ -2505,6 +2538,39 @@ def adapt_resumably(args, key, hp_note, state):
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def read_state(path):
+    """A run state's bytes, or None where it is not a file of this user's that only it reads
+    (checked on the file opened, never through a link: no other file can take its place)."""
+    with contextlib.suppress(OSError), open(path, "rb", opener=no_link) as f:
+        st = os.fstat(f.fileno())
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o77:
+            return f.read()
+    return None
+
+
+def refuse_a_moved_run(args, key, state):
+    """--resume with no state for this key, beside a killed run's state whose key differs
+    only in where its data was (a copied or moved tree, its Fisher images) or its dtype
+    (--device auto on another machine): that run would start afresh, releasing its images
+    again under fresh noise, and leave its secret state behind. Refused, naming it."""
+    folder, name = os.path.split(state.removesuffix(".pt").rpartition(".")[0])
+    moved = {"data", "fisher_data", "dtype"}
+    for entry in sorted(os.listdir(folder)):
+        other = os.path.join(folder, entry)
+        if not (entry.startswith(name + ".") and entry.endswith(".pt")) or other == state:
+            continue
+        saved = read_state(other)
+        with contextlib.suppress(Exception):  # (not a state: another file; never loaded as code)
+            saved = torch.load(io.BytesIO(saved), weights_only=True)["key"]
+        if not isinstance(saved, dict) or set(saved) != set(key):
+            continue
+        differ = {k for k in key if saved[k] != key[k]}
+        if differ and differ <= moved:
+            shown = ", ".join(f"{k} {saved[k]} (now {key[k]})" for k in sorted(differ))
+            how = f"--resume it as it ran, or remove it and {NEW_RUN}"
+            fail(f"{other} is a killed run of this cell with {shown}: {how}")
 
 
 def open_inputs(args):
@@ -2642,15 +2708,18 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     # shuffles' generator is its device's; so would another torch, GPU or CPU thread count,
     # whose sums round otherwise: the replay assumes the same arithmetic)
     run["device"] = args.device
-    where = f"{torch.get_num_threads()} CPU threads"
+    where = f"{torch.get_num_threads()} threads of {cpu_model()}"
     if args.device == "cuda":
         where = torch.cuda.get_device_name()
-    run["arithmetic"] = f"torch {torch.__version__}, {where}"
+    # (the image decoders and transforms too: another Pillow or torchvision, other pixels)
+    versions = f"torch {torch.__version__}, numpy {np.__version__}, timm {timm.__version__}"
+    versions += f", torchvision {torchvision.__version__}, Pillow {PIL.__version__}"
+    run["arithmetic"] = f"{versions}, {where}"
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine, run)
     start = time.time() - run["wall"]
-    status["run"] = run
+    status["run"], status["recorded"] = run, len(run["done"])
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
         save_state(state, run_state(run, adapter), first=True)
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
@@ -2663,9 +2732,9 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
         stream["pin_memory"] = args.device == "cuda"
         loader = image_stream(sources[name], args.batch_size, seed=args.seed, **stream)
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
+        shape = config["input_size"]
         correct, scored, bad = stream_through(
-            adapter, loader, label, args=args, lookup=lookup, shape=config["input_size"],
-            groups=len(groups)
+            adapter, loader, label, args=args, lookup=lookup, shape=shape, groups=len(groups)
         )
         for c, images in zip(groups, scored):  # a 0% of no image would be a made-up measurement
             if not images:
@@ -2692,10 +2761,21 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
         save_state(state, run_state(dict(run, wall=time.time() - start), adapter))
         for record in records:
             append_jsonl(args.out, record)
+        status["recorded"] += 1
     finish(args, run, streams, adapter, ledger, hp_note, start)
     if state and os.path.exists(state):
         os.remove(state)
     return 0
+
+
+def cpu_model():
+    """The CPU's model name (Linux's /proc/cpuinfo), else its architecture: another CPU may
+    dispatch other kernels, whose sums round otherwise."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.machine()
 
 
 def run_state(run, adapter):
@@ -2787,7 +2867,7 @@ from scipy import stats
 
 # ----------------------------------------------------------------------------
 # --summarize: the paper's tables from a results file
-KEY_FIELDS = "method eps clip seed dataset severity model setting batch_size corruptions".split()
+KEY_FIELDS = "method eps clip lr seed dataset severity model setting batch_size corruptions".split()
 # what a table's cells differ in: the method, its privacy and hyperparameters, and the seed
 PER_CELL = "method eps delta clip lr hp privacy_unit noise_seed accumulate fisher_data seed".split()
 
@@ -2808,10 +2888,16 @@ def readable(record):
         return False
     if method.startswith("dp_") and not is_eps(key["eps"]):
         return False
+    repeat = key.get("repeat", 1)  # (a count of streams: an int >= 1)
+    if not (isinstance(repeat, int) and not isinstance(repeat, bool) and repeat >= 1):
+        return False
     if record.get("mode") == "corruption":
         return finite_number(accuracy) and isinstance(record.get("corruption"), str)
-    numbers = [record.get("mean"), *accuracy.values()] if isinstance(accuracy, dict) else [None]
-    return all(map(finite_number, numbers))
+    # a run's accuracy: one finite number for each of its corruptions, and its mean
+    each = isinstance(accuracy, dict) and sorted(accuracy) == sorted(map(str, key["corruptions"]))
+    if not each:
+        return False
+    return all(map(finite_number, [record.get("mean"), *accuracy.values()]))
 
 
 def is_eps(value):

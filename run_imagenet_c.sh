@@ -297,6 +297,9 @@ for name in sorted(constants & {pair.partition("=")[0] for pair in extra.hp}):
     dptta.fail(f"EXTRA sets --hp {name}, which the grid sets for its cells")
 if "noise_seed" in extra.given:  # (two cells on the same images, one noise: it cancels)
     dptta.fail("EXTRA sets --noise-seed: a grid's noise is secret")
+for tool in ("summarize", "benchmark", "audit"):  # (every cell would refuse the others' flags)
+    if tool in extra.given:
+        dptta.fail(f"EXTRA sets --{tool}, a tool: the grid's cells are runs")
 cells = []
 for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks it (quietly)
     argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[1:]

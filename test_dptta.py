@@ -24,6 +24,7 @@ import warnings
 from functools import partial
 
 import numpy as np
+import PIL
 import pytest
 import timm
 import torch
@@ -659,6 +660,57 @@ def test_neighbouring_releases_are_mu_gdp_by_monte_carlo():
     assert mu.item() == pytest.approx(2 / sigma, rel=0.05)
 
 
+def test_a_release_lies_on_one_lattice_whatever_the_data():
+    """The floating-point attack (Mironov 2012): float noise added to a float sum lands on a
+    grid that depends on the sum, so an adversary who computes each world's sum can find a
+    coordinate one world cannot produce. Here every release, minus either world's sum rounded
+    by hand to multiples of γ (the largest power of two with γ√d <= 2^-10·2C), is a whole
+    number of γ: both worlds' releases lie on the same lattice, and the noise on it has
+    standard deviation (1 + 2^-10)σC."""
+    C, sigma, B = 1.5, 2.0, 4  # B a power of two: release·B is the noisy sum exactly
+    world, _ = grads_of_norms([0.5, 3.0, 1.0, 9.0], shapes=((7,), (2, 5)))
+    other = {n: t.clone() for n, t in world.items()}
+    other["t0"][1], other["t1"][1] = -7 * other["t0"][1], 0.3 * other["t1"][1]
+    d = 7 + 10
+    gamma = 2.0 ** math.floor(math.log2(2**-10 * 2 * C / math.sqrt(d)))
+
+    def rounded_sum(g):  # by hand: a loop over samples, each clipped to C, rounded to γ
+        flat = torch.cat([g["t0"], g["t1"].flatten(1)], 1)
+        total = sum(v * min(1.0, C / v.norm().item()) for v in flat)
+        return torch.round(total / gamma) * gamma
+
+    sums = [rounded_sum(g) for g in (world, other)]
+    assert (sums[0] - sums[1]).norm() <= 2 * C + gamma * math.sqrt(d)  # the rounding's share
+    stream, noise = dptta.NoiseStream(seed=5), []
+    for g in (world, other):
+        for _ in range(300):
+            out = dptta.clip_and_noise(g, C, sigma, stream)
+            release = torch.cat([out["t0"], out["t1"].flatten()]) * B
+            for s in sums:  # under either world: the release minus its sum is k·γ, k whole
+                k = (release - s) / gamma
+                assert torch.equal(k, torch.round(k))
+            noise.append(release - sums[0 if g is world else 1])
+    assert torch.cat(noise).std().item() == pytest.approx((1 + 2**-10) * sigma * C, rel=0.03)
+
+
+def test_a_zero_in_a_release_does_not_show_the_sign_of_the_sum():
+    """round() gives −0.0 on (−½, 0), and −0.0 + −0.0 keeps the sign: a zero's sign bit would say
+    that the sum rounded to it from below. A sum just below 0 and one just above, each with noise
+    of about one lattice step (so that it often rounds to zero): every zero is +0.0."""
+    C, d = 1.0, 4
+    gamma = 2.0 ** math.floor(math.log2(2**-10 * 2 * C / math.sqrt(d)))
+    sigma = gamma / C  # noise of one step: a zero in about a third of the coordinates
+    zeros = []
+    for sign in (-1, 1):
+        g = {"t": torch.full((1, d), sign * gamma / 4, dtype=torch.float64)}  # rounds to 0
+        stream = dptta.NoiseStream(seed=1)
+        for _ in range(200):
+            out = dptta.clip_and_noise(g, C, sigma, stream)["t"]
+            zeros.append(out[out == 0])
+    zeros = torch.cat(zeros)
+    assert len(zeros) > 100 and not torch.signbit(zeros).any()
+
+
 def test_nonfinite_sample_is_zeroed_counted_and_harmless():
     g, _ = grads_of_norms([0.5, 2.0, 3.0])
     bad = {n: t.clone() for n, t in g.items()}
@@ -751,7 +803,8 @@ def test_method_constants_follow_a_given_number_of_classes():
     (dict(method="dp_tent", clip=0.0, lr=0.1, eps=1), "clip must be finite and > 0"),
     (dict(method="dp_tent", clip=math.inf, lr=0.1, eps=1), "clip must be finite and > 0"),
     (dict(method="tent", clip=-1.0, lr=0.1), "clip must be finite and > 0"),
-    (dict(method="dp_tent", clip=1e39, lr=0.1, eps=1), "clip must be finite and > 0 \\(fp32\\)"),
+    (dict(method="dp_tent", clip=1e39, lr=0.1, eps=1), "clip must be finite and > 0 \\(fp32"),
+    (dict(method="dp_tent", clip=1e-39, lr=0.1, eps=1), "clip must be finite and > 0 \\(fp32"),
     (dict(method="dp_tent", clip=1.0, lr=1e39, eps=1), "needs a finite lr > 0"),
     (dict(method="tent", lr=0.0), "needs a finite lr > 0"),
     (dict(method="dp_tent", lr=math.inf, clip=1.0, eps=1), "needs a finite lr > 0"),
@@ -2919,6 +2972,30 @@ def test_a_signal_says_what_the_run_recorded_and_after_its_final_record_it_is_co
     assert dptta.main(argv) == 0  # (--resume: after the first, killed run)
     assert "SIGINT after the run's final record: it is complete" in capsys.readouterr().err
     assert final_record(out)["mode"] == "adapt" and not list(tmp_path.glob("r.jsonl.*.pt"))
+    monkeypatch.undo()
+    # stopped after a stream's state is saved, before its records are written: none recorded
+    fresh = tmp_path / "fresh.jsonl"
+    killed_in("gaussian_noise", monkeypatch, where="save")
+    assert dptta.main([str(fresh) if a == str(out) else a for a in argv]) == 130
+    assert "stopped by SIGINT; no stream recorded, no final record" in capsys.readouterr().err
+    assert not fresh.exists()
+
+
+def test_a_second_signal_is_recorded_not_raised_so_that_the_cleanup_ends():
+    """A second signal (the grid's stop() after a Ctrl-C) raised inside the loader's shutdown
+    left its workers running (they ignore SIGTERM) and the run waiting for them forever: the
+    first signal raises, a later one is only recorded."""
+    dptta.STOP.clear()
+    with pytest.raises(KeyboardInterrupt):
+        dptta._stop(signal.SIGINT, None)
+    try:
+        dptta._stop(signal.SIGTERM, None)
+    except KeyboardInterrupt:
+        pytest.fail("a second signal raised")
+    finally:
+        recorded = list(dptta.STOP)
+        dptta.STOP.clear()
+    assert recorded == [signal.SIGINT, signal.SIGTERM]
 
 
 def test_a_fresh_run_over_a_killed_runs_state_says_that_both_count(tree, tmp_path, monkeypatch,
@@ -2937,6 +3014,31 @@ def test_a_fresh_run_over_a_killed_runs_state_says_that_both_count(tree, tmp_pat
     err = capsys.readouterr().err
     assert "a killed run of this cell, replaced" in err and "both count" in err
     assert not list(tmp_path.glob("r.jsonl.*.pt"))
+
+
+def test_resume_of_a_killed_run_from_a_moved_tree_is_refused_naming_its_state(tree, tmp_path,
+                                                                             monkeypatch, capsys):
+    """The data root is in the run's key: --resume from a copy of the tree (a node's local
+    staging) found no state, started afresh under fresh noise on the images the killed run had
+    released, and left its secret state behind. It is refused in one line, naming the state
+    and the path it ran from; resumed from that path, the run goes on and ends."""
+    root, ckpt = tree
+    out = tmp_path / "r.jsonl"
+    argv = ["--checkpoint", str(ckpt), "--out", str(out)] + RESUMABLE
+    killed_in("shot_noise", monkeypatch)
+    assert dptta.main(["--data", str(root)] + argv) == 130
+    monkeypatch.undo()
+    state = next(tmp_path.glob("r.jsonl.*.pt"))
+    copied = shutil.copytree(root, tmp_path / "staged")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        dptta.main(["--data", str(copied)] + argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"{state} is a killed run of this cell with data {os.path.realpath(root)}" in err
+    assert list(tmp_path.glob("r.jsonl.*.pt")) == [state]  # nothing started
+    assert dptta.main(["--data", str(root)] + argv) == 0
+    assert "resumed run" in capsys.readouterr().out and not state.exists()
 
 
 def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp_path,
@@ -3218,7 +3320,8 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     """Fresh noise on images whose releases are out is a second, uncounted release: a damaged
     or missing state of a run with records, or one an older dptta saved, is refused (one line,
     exit 2), never restarted; so is one saved on another device or under another arithmetic
-    (torch, GPU, CPU threads), where the replay would round otherwise under the same noise. A
+    (torch, numpy, the decoders, GPU, CPU, threads), where the replay would round otherwise
+    under the same noise. A
     state left by a kill after the run's record goes when the rerun finds the run done."""
     root, ckpt = tree
     out = tmp_path / "r.jsonl"
@@ -3265,16 +3368,27 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     with pytest.raises(SystemExit) as e:
         dptta.main(argv)
     assert e.value.code == 2 and "saved on cuda: --device cuda resumes it" in capsys.readouterr().err
-    # another torch, or thread count: the replay's sums would round otherwise, under the same noise
-    elsewhere = torch.load(io.BytesIO(good), weights_only=False)
-    assert elsewhere["arithmetic"] == f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
-    elsewhere["arithmetic"] = f"torch {torch.__version__}, {torch.get_num_threads() + 1} CPU threads"
-    torch.save(elsewhere, state)
-    state.chmod(0o600)
-    with pytest.raises(SystemExit) as e:
-        dptta.main(argv)
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "its replay would compute other releases" in err, err
+    # another torch, numpy, decoder, thread count or CPU: the replay's sums or pixels would
+    # come out otherwise, under the same noise
+    arithmetic = torch.load(io.BytesIO(good), weights_only=False)["arithmetic"]
+    threads = f"{torch.get_num_threads()} threads of "
+    for part in (f"torch {torch.__version__}", f"numpy {np.__version__}", f"timm {timm.__version__}",
+                 f"torchvision {torchvision.__version__}", f"Pillow {PIL.__version__}", threads):
+        assert part in arithmetic, part
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpus = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        assert not cpus or arithmetic.endswith(threads + cpus[0]), arithmetic
+    for other in (arithmetic.replace(threads, f"{torch.get_num_threads() + 1} threads of "),
+                  arithmetic.replace(f"Pillow {PIL.__version__}", "Pillow 1.0"),
+                  arithmetic.replace(threads, threads + "another ")):
+        elsewhere = torch.load(io.BytesIO(good), weights_only=False)
+        elsewhere["arithmetic"] = other
+        torch.save(elsewhere, state)
+        state.chmod(0o600)
+        with pytest.raises(SystemExit) as e:
+            dptta.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "its replay would compute other releases" in err, err
     state.write_bytes(good)
     state.chmod(0o600)
     assert dptta.main(argv) == 0 and not state.exists()
@@ -3611,6 +3725,7 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
     checked = [((), dict(one_cell, EXTRA=f"{smoke} --seed 3"), "EXTRA sets --seed, which the grid"),
                ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_"),
                ((), dict(one_cell, EXTRA=f"{smoke} --noise-seed 3"), "a grid's noise is secret"),
+               ((), dict(one_cell, EXTRA=f"{smoke} --benchmark"), "EXTRA sets --benchmark, a tool"),
                # a flag a cell sets would be overridden: the record would not be the grid's
                ((), dict(one_cell, BATCHES="16", EXTRA=f"{smoke} --batch-size 32"),
                 "EXTRA sets --batch-size"),
@@ -4015,13 +4130,18 @@ def test_summarize_skips_and_names_records_it_cannot_read(tmp_path, capsys):
         odd.append(fake_run("dp_tent", 0, 50.0, eps=5.0))
         odd[-1]["key"][field] = value
     odd.append(dict(partial, accuracy=50.0, key=odd[0]["key"]))  # (a corruption's record too)
+    no_lr = fake_run("dp_tent", 0, 50.0, eps=5.0, smoke=True)  # (listed apart: by its lr)
+    del no_lr["key"]["lr"]
+    no_repeat = dict(partial, accuracy=50.0, key=dict(partial["key"], repeat=None))  # unfinished
+    no_accuracy = dict(fake_run("dp_tent", 1, 50.0, eps=5.0), accuracy={})  # a mean of nothing
+    odd += [no_lr, no_repeat, no_accuracy]
     path = tmp_path / "r.jsonl"
     lines = [json.dumps(x) for x in (good, no_key, nan, partial, mine, *odd)]
     path.write_text("\n".join(lines + ["[" * 100_000 + "]" * 100_000]) + "\n")
     assert dptta.main(["--summarize", str(path)]) == 0
     captured = capsys.readouterr()
-    assert "skipped 8 record(s) lacking fields or finite numbers (line(s) 2, 3, 4, 6, 7, ...)" in captured.err
-    assert "skipped 1 damaged line(s) (11)" in captured.err  # nested too deep for json
+    assert "skipped 11 record(s) lacking fields or finite numbers (line(s) 2, 3, 4, 6, 7, ...)" in captured.err
+    assert "skipped 1 damaged line(s) (14)" in captured.err  # nested too deep for json
     rows = [line.split()[0] for line in captured.out.splitlines() if line[:1].isalpha()]
     assert rows[-2:] == ["tent", "my_loss"]
 
