@@ -58,7 +58,7 @@ def need(ok, problem):
 
 # ----------------------------------------------------------------------------
 # Privacy accounting: one pass over the stream is μ-GDP with μ = 2/σ
-EPS_MAX = 1e6  # beyond it σ is below 1e-3 and the root finder below loses its footing
+EPS_MAX = 1e6  # there σ ≈ 1.4e-3 (δ = 1e-6); beyond, the root finder below loses its footing
 
 
 def _check_privacy(eps=None, delta=None, sigma=None):
@@ -81,11 +81,11 @@ def _log_gdp_delta(eps, sigma):
     x = -eps / mu + mu / 2
     log_phi = special.log_ndtr(x)
     D = log_phi - eps - special.log_ndtr(x - mu)
-    if D < 0.1:
+    if D < 0.1:  # D < 0.1: the difference has lost digits to cancellation; integrate it
         nodes, weights = np.polynomial.legendre.leggauss(16)
-        u = x - mu / 2 + nodes * mu / 2
-        hazard = np.exp(-(u**2) / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))
-        D = mu / 2 * np.sum(weights * (hazard + u))
+        u = x - mu / 2 + nodes * mu / 2  # [x − μ, x] mapped to Legendre's [−1, 1]: du = μ/2 dt
+        mills = np.exp(-(u**2) / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))  # φ(u)/Φ(u)
+        D = mu / 2 * np.sum(weights * (mills + u))  # ∫ (φ(u)/Φ(u) + u) du
     if not D > 0:  # rounding, only where Φ(x) < 1e-300: δ <= Φ(x) is the safe side
         return log_phi
     return log_phi + np.log(-np.expm1(-D))
@@ -162,7 +162,7 @@ def couples_samples(module):
 
 def refuse_coupled_samples(model, why):
     """A ValueError naming the model's BatchNorm layers that couple the samples, if any."""
-    coupled = [n for n, m in model.named_modules() if couples_samples(m)]  # (itself: "")
+    coupled = [n for n, m in model.named_modules() if couples_samples(m)]  # (the model: "")
     mode = "in train mode or without running statistics couples the batch"
     need(not coupled, f"BatchNorm {coupled} {mode}: {why}")
 
@@ -194,16 +194,16 @@ def _trunk_cut(model):
     return None
 
 
-def adaptable_params(model, *, skip_top=False, private=True):
+def adaptable_params(model, *, skip_top=False, per_sample=True):
     """{name: parameter} of the norm layers' affine parameters, in the model's order.
 
-    skip_top: only those below the trunk's top (SAR, DeYO; see _trunk_cut). private: the
-    per-sample gradients of DP and clip-only runs, which refuse a BatchNorm model (its train
-    mode mixes the samples; bn="source" freezes it instead). A tensor tied to two modules
-    (one tensor, two names) is adapted once, under its first name."""
-    bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]  # (itself: "")
+    skip_top: only those below the trunk's top (SAR, DeYO; see _trunk_cut). per_sample: for
+    per-sample gradients (DP and clip-only runs), so a model with BatchNorm is refused: in
+    train mode it mixes the samples (bn="source" freezes it instead). A tensor tied to two
+    modules (one tensor, two names) is adapted once, under its first name."""
+    bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]  # (the model: "")
     why = f"BatchNorm {bn} mixes the samples of a batch: no per-sample gradients (dp_, clip)"
-    need(not (private and bn), why + '; bn="source" freezes it at its source statistics')
+    need(not (per_sample and bn), why + '; bn="source" freezes it at its source statistics')
     cut = _trunk_cut(model) if skip_top else None
     params, seen = {}, set()
     for name, module in model.named_modules():
@@ -230,11 +230,37 @@ def logits_of(out):
     return z
 
 
+def _without_fallback(fn):
+    """fn() with vmap's per-sample fallback made an error, so that no pass loops over samples
+    unseen. An op that needs the fallback is warned about (Python shows a warning once) and
+    run again with it, exact but slow, unless the caller had switched the fallback off
+    itself (the test suite does). The switch is private torch API: a torch without it runs
+    fn(), and says so."""
+    functorch = getattr(torch._C, "_functorch", None)
+    if not hasattr(functorch, "_set_vmap_fallback_enabled"):
+        warnings.warn("this torch cannot switch vmap's fallback off: no loop certified")
+        return fn()
+    allowed = functorch._is_vmap_fallback_enabled()
+    functorch._set_vmap_fallback_enabled(False)
+    try:
+        return fn()
+    except RuntimeError as e:
+        op = re.search(r"(\S+) hit the vmap fallback", str(e))
+        if not (op and allowed):
+            raise
+    finally:
+        functorch._set_vmap_fallback_enabled(allowed)
+    warnings.warn(f"{op[1]} has no vmap rule: it runs once per sample (exact, slow)", stacklevel=3)
+    return fn()
+
+
 def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     """Every sample's own gradient, and the logits: ({name: g [B, *shape]}, logits [B, K]).
 
     g_i = ∇θ loss_fn(f_θ(x_i), ctx_i), where loss_fn maps (logits [N, K], ctx [N, ...] or
-    None) to one loss per sample, [N].
+    None) to one loss per sample, [N]; ctx is the loss's other input, row i sample i's own
+    (DeYO's softmax of the shuffled x′_i). DPTTA passes its method's loss with the constants
+    bound (DPTTA.loss: a Method's loss takes (logits, ctx, hp)).
 
     The trick. The textbook way, vmap(grad(ℓ)) over the batch, runs autograd *inside*
     vmap, and the backward of GPU's fused attention kernels (flash, efficient, cuDNN) has no
@@ -286,30 +312,6 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
         return _without_fallback(batched_pass)
 
 
-def _without_fallback(fn):
-    """fn() with vmap's per-sample fallback made an error, so that no pass loops over samples
-    unseen. An op that needs the fallback is warned about (Python shows a warning once) and
-    run again with it, exact but slow, unless the caller had switched the fallback off
-    itself (the test suite does). The switch is private torch API: a torch without it runs
-    fn(), and says so."""
-    functorch = getattr(torch._C, "_functorch", None)
-    if not hasattr(functorch, "_set_vmap_fallback_enabled"):
-        warnings.warn("this torch cannot switch vmap's fallback off: no loop certified")
-        return fn()
-    allowed = functorch._is_vmap_fallback_enabled()
-    functorch._set_vmap_fallback_enabled(False)
-    try:
-        return fn()
-    except RuntimeError as e:
-        op = re.search(r"(\S+) hit the vmap fallback", str(e))
-        if not (op and allowed):
-            raise
-    finally:
-        functorch._set_vmap_fallback_enabled(allowed)
-    warnings.warn(f"{op[1]} has no vmap rule: it runs once per sample (exact, slow)", stacklevel=3)
-    return fn()
-
-
 # ----------------------------------------------------------------------------
 # Clip and noise: the Gaussian mechanism on the sum of clipped gradients
 class NoiseStream:
@@ -324,9 +326,8 @@ class NoiseStream:
     state away to such readings (its output bits are linear in its state bits), and with it
     every draw, past and future; CUDA's Philox has a 64-bit key. (Opacus' secure_mode is for
     this.) Block k of the stream is SHAKE-256(key ‖ k), one block per call of normal() (a
-    release), so the state is
-    (key, k): the runner saves it to replay a killed stream. A stream is never copied or
-    pickled (a copy would draw the same noise twice).
+    release), so the state is (key, k): the runner saves it to replay a killed stream. A
+    stream is never copied or pickled (a copy would draw the same noise twice).
 
     A forked process would inherit the key and the count, and draw its parent's noise: a
     stream draws only in the process that keyed it.
@@ -408,13 +409,14 @@ def at_least_fp32(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def clip_and_noise(per_sample_grads, clip, sigma, noise_stream, tally=None):
+def clip_and_noise(grads, clip, sigma, noise_stream, tally=None):
     """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, over {name: [B, ...]} per-sample tensors.
 
     One norm ‖g_i‖ over all tensors (sample i is clipped as a whole), so replacing one sample
     moves the sum by at most 2C: the noise is calibrated to the sum, then divided by B (noise
-    added after dividing would be B times too small). Fresh N(0, σ²C²) for every coordinate
-    of every tensor, from noise_stream (a NoiseStream). A non-finite g_i counts as zero, a
+    added after dividing would be B times too small). Fresh noise, N(0, σ²C²) but for the
+    lattice's 0.1% (below), for every coordinate of every tensor, from noise_stream (a
+    NoiseStream). A non-finite g_i counts as zero, a
     decision that reads sample i alone and keeps the sensitivity at 2C; tally["nonfinite"]
     counts them.
 
@@ -433,8 +435,8 @@ def clip_and_noise(per_sample_grads, clip, sigma, noise_stream, tally=None):
     γ ≈ 2^-9·C/√d (ViT-B/16's d = 38,000 at ε = 5: 2^-18σC) changes each cell's chance by
     about 2^-30 relative, at most about 1e-4 in ε over all coordinates (4e-4 at ε = 1).
     Δ is returned in the gradients' dtype (at least fp32), itself post-processing."""
-    dtypes = {n: at_least_fp32(t).dtype for n, t in per_sample_grads.items()}
-    g = {n: t.double() for n, t in per_sample_grads.items()}
+    dtypes = {n: at_least_fp32(t).dtype for n, t in grads.items()}
+    g = {n: t.double() for n, t in grads.items()}
     norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
     finite = torch.isfinite(norms)
     factor = (clip / norms.clamp(min=1e-12)).clamp(max=1.0)  # min(1, C/‖g_i‖)
@@ -451,12 +453,14 @@ def clip_and_noise(per_sample_grads, clip, sigma, noise_stream, tally=None):
         # γ: the largest power of two with γ·√d <= η·2C
         gamma = 2.0 ** math.floor(math.log2(2 * LATTICE * clip / math.sqrt(sum(sizes))))
         scale = (1 + LATTICE) * sigma * (clip / gamma)  # the noise's standard deviation, in γ
-        some = next(iter(totals.values()))
-        noise = noise_stream.normal(sum(sizes), some.device, torch.float64).split(sizes)
+        device = next(iter(totals.values())).device
+        noise = noise_stream.normal(sum(sizes), device, torch.float64).split(sizes)
         for (name, total), z in zip(totals.items(), noise):
-            steps = torch.round(total / gamma) + torch.round(scale * z.view_as(total))
-            totals[name] = (steps + 0.0) * gamma  # S_γ + round_γ(Z); −0.0 + 0.0 = +0.0
-    return {name: (total / len(norms)).to(dtypes[name]) for name, total in totals.items()}
+            # S_γ + round_γ(Z), in multiples of γ: integers, exact in float64
+            multiples = torch.round(total / gamma) + torch.round(scale * z.view_as(total))
+            totals[name] = (multiples + 0.0) * gamma  # −0.0 + 0.0 = +0.0
+    batch = len(norms)  # B, the divisor: every sample, a non-finite one too
+    return {name: (total / batch).to(dtypes[name]) for name, total in totals.items()}
 
 
 # ----------------------------------------------------------------------------
@@ -485,8 +489,9 @@ def come_entropy(logits, num_classes=None):
 
 
 def plpd(logits, shuffled_probs):
-    """DeYO's PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x), detached: how much a prediction
-    rests on the image's shape, which shuffling its patches (x′) destroys."""
+    """DeYO's PLPD (pseudo-label probability difference) = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x),
+    detached: how much a prediction rests on the image's shape, which shuffling its patches
+    (x′) destroys."""
     p = at_least_fp32(logits).softmax(-1)
     y = p.argmax(-1, keepdim=True)
     return (p.gather(-1, y) - shuffled_probs.gather(-1, y)).squeeze(-1).detach()
@@ -519,17 +524,17 @@ class Method:
               Row i must come from image i alone (DeYO's does): a DP variant's sensitivity
               2C rests on it, and nothing can check it (a context may draw random numbers)
     norms     "all", or "lower": the norms below the trunk's top (SAR, DeYO)
-    penalty   (θ, θ0, hp) -> {name: gradient} of a data-free term, added after the noise
+    penalty   (θ, θ0, hp) -> {name: gradient} of a data-free term, added after the noise, or
+              None where the term is off (EATA without Fisher data)
     step      "plain", "sam" (SAR's sharpness-aware step; its DP variant is DP-SAT), "norm"
               (BatchNorm statistics, no gradient) or "none" (predict only)
     constants the defaults of the constants (hp) that loss, context, penalty and step read;
               filter_constants those of the original's data-dependent decisions: its filter,
               and SAR's recovery (reset_ema). The DP variant drops them with the filter; its
               step never recovers (a reset decided on a batch's entropy would be a release)
-
-    private     whether it is a DP variant; private(method) makes one by the paper's recipe:
+    private   whether it is a DP variant; private(method) makes one by the paper's recipe:
               no filter, ℓ_i clipped and noised, the penalty after the noise, SAM's ascent
-              along the previous private gradient."""
+              along the previous private gradient (DP-SAT, Park et al. 2023)"""
 
     name: str
     loss: Callable = None
@@ -557,7 +562,7 @@ def private(method):
     return replace(method, name="dp_" + method.name, filter=None, filter_constants={}, private=True)
 
 
-def classes(logits, hp):
+def num_classes(logits, hp):
     """K: the constant num_classes if set, else the logits' (ln K scales every margin)."""
     return logits.shape[-1] if hp.get("num_classes") is None else hp["num_classes"]
 
@@ -567,15 +572,15 @@ def tent_loss(logits, ctx, hp):
 
 
 def come_loss(logits, ctx, hp):
-    return come_entropy(logits, classes(logits, hp))  # ℓ_i = H_come(x_i)
+    return come_entropy(logits, num_classes(logits, hp))  # ℓ_i = H_come(x_i)
 
 
-def weighted_loss(logits, ctx, hp, ent=tent_loss):
+def weighted_loss(logits, ctx, hp, entropy_loss=tent_loss):
     """EATA's and DeYO's ℓ_i = w_i·H_i, the weight detached: w = exp(E0 − H) with
-    E0 = e_margin·ln K, plus DeYO's e^PLPD when ctx holds the shuffled view's softmax. ent:
-    the entropy H (DeYO-COME: COME's)."""
-    H = ent(logits, ctx, hp)
-    w = torch.exp(hp["e_margin"] * math.log(classes(logits, hp)) - H.detach())
+    E0 = e_margin·ln K, plus DeYO's e^PLPD when ctx holds the shuffled view's softmax.
+    entropy_loss: the entropy H (DeYO-COME: COME's)."""
+    H = entropy_loss(logits, ctx, hp)
+    w = torch.exp(hp["e_margin"] * math.log(num_classes(logits, hp)) - H.detach())
     if ctx is not None:
         w = w + torch.exp(plpd(logits, ctx))
     return w * H
@@ -583,7 +588,7 @@ def weighted_loss(logits, ctx, hp, ent=tent_loss):
 
 def reliable(H, logits, hp, margin):
     """The originals' entropy filter: H < margin·ln K."""
-    return H < hp[margin] * math.log(classes(logits, hp))
+    return H < hp[margin] * math.log(num_classes(logits, hp))
 
 
 def sar_filter(logits, ctx, state, hp):
@@ -604,13 +609,13 @@ def eata_filter(logits, ctx, state, hp):
     return keep, state
 
 
-def deyo_filter(logits, ctx, state, hp, ent=tent_loss):
+def deyo_filter(logits, ctx, state, hp, entropy_loss=tent_loss):
     """Reliable (H < deyo_margin·ln K) and shape-dependent (PLPD > plpd_threshold)."""
-    keep = reliable(ent(logits, ctx, hp), logits, hp, "deyo_margin")
+    keep = reliable(entropy_loss(logits, ctx, hp), logits, hp, "deyo_margin")
     return keep & (plpd(logits, ctx) > hp["plpd_threshold"]), state
 
 
-def shuffled_softmax(model, x, generator, hp, ent=tent_loss):
+def shuffled_softmax(model, x, generator, hp, entropy_loss=tent_loss):
     """DeYO's context: the softmax of x′, the patch-shuffled images, with no gradient.
 
     DeYO's code shuffles and forwards only the samples its entropy filter keeps. Where each
@@ -622,7 +627,7 @@ def shuffled_softmax(model, x, generator, hp, ent=tent_loss):
     if not any(couples_samples(m) for m in model.modules()):
         return at_least_fp32(logits_of(model(x_shuffled))).softmax(-1)
     logits = at_least_fp32(logits_of(model(x)))  # the step's own forward: θ has not moved
-    kept = reliable(ent(logits, None, hp), logits, hp, "deyo_margin")
+    kept = reliable(entropy_loss(logits, None, hp), logits, hp, "deyo_margin")
     probs = torch.zeros_like(logits)
     if kept.any():
         probs[kept] = at_least_fp32(logits_of(model(x_shuffled[kept]))).softmax(-1)
@@ -654,7 +659,9 @@ def fisher_information(model, params, images, n=2000):
     return {k: f / max(batches, 1) for k, f in fisher.items()}
 
 
-# H: softmax entropy; H_come: COME's; E0 = e_margin·ln K; "lower": the norms below the top
+# Tent (Wang et al. 2021), EATA (Niu et al. 2022), SAR (Niu et al. 2023), DeYO (Lee et al.
+# 2024), COME (Zhang et al. 2025). H: softmax entropy; H_come: COME's; E0 = e_margin·ln K;
+# "lower": the norms below the trunk's top
 # method     per-sample loss ℓ_i          original's filter            norms  extra
 # tent       H                            -                            all    -
 # come       H_come                       -                            all    -
@@ -695,9 +702,9 @@ DEYO = Method(
 DEYO_COME = replace(
     DEYO,
     name="deyo_come",
-    loss=partial(weighted_loss, ent=come_loss),
-    filter=partial(deyo_filter, ent=come_loss),
-    context=partial(shuffled_softmax, ent=come_loss),
+    loss=partial(weighted_loss, entropy_loss=come_loss),
+    filter=partial(deyo_filter, entropy_loss=come_loss),
+    context=partial(shuffled_softmax, entropy_loss=come_loss),
 )
 # norm: BatchNorm layers normalize with the test batch (Schneider et al. 2020); dp_norm releases
 # those statistics privately instead (DPNorm, after DPTTA)
@@ -720,14 +727,15 @@ def method_of(method):
 
 
 class DPTTA(nn.Module):
-    """A test-time adapter: forward(x) predicts x with the current θ, then adapts θ on x
-    (DPNorm: releases the batch's statistics, then predicts with them).
+    """A test-time adapter: forward(x) returns x's logits, predicted with the current θ, then
+    adapts θ on x (DPNorm: releases the batch's statistics, then predicts with them).
 
     method     a Method record, or its name: "source", an original ("tent", "come", "eata",
                "sar", "deyo", "deyo_come"), its DP variant "dp_<name>"; "norm" and "dp_norm"
                make a DPNorm (BatchNorm statistics, no gradient)
-    eps, delta the DP variants' (ε, δ); eps=inf: the DP recipe with no noise (clip only, and
-               no filter: the paper's "clip-only" is the original with a clip, filters kept)
+    eps, delta the DP variants' (ε, δ; δ = 1e-6 by default); eps=inf: the DP recipe with no
+               noise (clip only, and no filter: the paper's "clip-only" is the original with a
+               clip, filters kept)
     clip       the per-sample clip C (needed by dp_; on an original: its clip-only variant)
     lr         SGD's learning rate (momentum 0.9, as every original)
     repeats    how many steps see each privacy unit (a photo in k streams, --repeat): σ·√k
@@ -770,17 +778,18 @@ class DPTTA(nn.Module):
     ):
         super().__init__()
         self.method = method = method_of(method)
-        name, gradient = method.name, method.step in ("plain", "sam")  # θ moves by gradient
+        name, by_gradient = method.name, method.step in ("plain", "sam")  # θ moves by SGD
         need(eps is None or method.private, f"eps is for dp_ methods only, not {name}")
         need(eps is not None or not method.private, f"{name} needs eps (inf: clip only)")
         # σ(ε, δ), and the check of eps, delta and repeats (calibrate_sigma refuses bad ones)
         eps_for_sigma = math.inf if eps is None else eps  # the originals: no noise
         self.sigma = calibrate_sigma(eps=eps_for_sigma, delta=delta, repeats=repeats)
-        need(clip is not None or not (method.private and gradient), f"{name} needs clip, C")
+        need(clip is not None or not (method.private and by_gradient), f"{name} needs clip, C")
         fp32 = f"fp32: {FP32_TINY:.2g} to {FP32_MAX:.2g}"
         bad_clip = f"clip must be finite and > 0 ({fp32}), got {clip}"
         need(clip is None or FP32_TINY <= clip <= FP32_MAX, bad_clip)
-        need(not gradient or lr is not None and 0 < lr <= FP32_MAX, f"{name} needs a finite lr > 0")
+        good_lr = lr is not None and 0 < lr <= FP32_MAX
+        need(good_lr or not by_gradient, f"{name} needs a finite lr > 0")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         need(noise_seed is None or isinstance(noise_seed, int), "noise_seed is an int or None")
@@ -795,9 +804,9 @@ class DPTTA(nn.Module):
         bns = [m for m in model.modules() if isinstance(m, BATCH_NORM)]
         no_stats = any(m.running_mean is None for m in bns)
         need(not (no_stats and bn == "source"), "bn='source' needs BatchNorm's running statistics")
-        if gradient:
+        if by_gradient:
             lower, per_sample = method.norms == "lower", clip is not None and bn == "train"
-            self.model_params = adaptable_params(model, skip_top=lower, private=per_sample)
+            self.model_params = adaptable_params(model, skip_top=lower, per_sample=per_sample)
         fisher, adapted = self.hp.get("fisher"), set(self.model_params)
         need(fisher is None or set(fisher) == adapted, "fisher needs one tensor per .params")
         self._check_model(model)
@@ -808,7 +817,7 @@ class DPTTA(nn.Module):
         model.eval().requires_grad_(False)  # eval: no dropout, nothing random
         # θ: fp32 masters of bf16/fp16 parameters (bf16 rounds an update < 2^-8)
         self.params = {n: at_least_fp32(p).requires_grad_() for n, p in self.model_params.items()}
-        if gradient and bn == "train":
+        if by_gradient and bn == "train":
             self.batch_statistics(bns)
         device = next(model.parameters()).device
         # the adapter's own streams, never rewound by reset(): the same noise twice cancels
@@ -883,7 +892,8 @@ class DPTTA(nn.Module):
         if self.accumulate == 1:
             return self._update(x)
         # accumulate=k: predict each batch with θ, step once k have come. θ is fixed within a
-        # window, so this is one step on the k batches (one noise draw; k steps: √k the noise)
+        # window, so this is one step on the k batches: one noise draw, σC on the sum of k·B
+        # clipped gradients (k steps would add k draws to θ, √k times the noise)
         first = self.window[0] if self.window else x
         same = (x.shape[1:], x.dtype, x.device) == (first.shape[1:], first.dtype, first.device)
         need(same, f"a batch of {tuple(x.shape[1:])} {x.dtype} in a window of other images")
@@ -922,15 +932,15 @@ class DPTTA(nn.Module):
             return logits.detach()
 
     # -- the gradient: private (per sample, clipped, noised) or plain -----------------------
-    def _gradient(self, x, ctx, at, keep=None, clip=True):
+    def _gradient(self, x, ctx, at, keep=None, per_sample=True):
         """(logits, Δ or None, kept, the filter's new state) at the point `at` (θ itself, or
         SAM's ascent point), on the samples the filter keeps (and `keep` kept). Per sample
-        (dp_, clip-only): Δ = clip_and_noise(g). Plain: Δ = ∇ mean_kept ℓ_i, one batched
-        backward."""
+        (dp_, clip-only; per_sample=False: SAR's plain ascent even there): Δ = clip_and_noise(g).
+        Plain: Δ = ∇ mean_kept ℓ_i, one batched backward."""
         theta = {}
         for n, t in at.items():
             theta[n] = t.detach().to(self.model_params[n].dtype).requires_grad_()
-        if self.clip is None or not clip:
+        if self.clip is None or not per_sample:
             return self._plain_gradient(theta, x, ctx, keep)
         make = partial(per_sample_grads, self.model, theta, self.loss, x, ctx)
         make = partial(make, chunk_size=self.chunk_size)
@@ -982,7 +992,7 @@ class DPTTA(nn.Module):
         """SAR's SAM: ascend along the plain mean gradient of the kept samples (clip-only too,
         as the paper's code does), take the gradient at θ + ρ·g/‖g‖ on those still kept
         there, step from θ; then its recovery."""
-        logits, direction, keep, self.state = self._gradient(x, ctx, self.params, clip=False)
+        logits, direction, keep, self.state = self._gradient(x, ctx, self.params, per_sample=False)
         if direction is None:
             return logits
         at_ascent, g, keep, _ = self._gradient(x, ctx, self._ascent(direction), keep)
@@ -1061,11 +1071,12 @@ class DPTTA(nn.Module):
         return dict(super().__getstate__(), noise=None, replay=None)
 
     def __setstate__(self, state):
-        """A copy draws its noise from a stream of its own, keyed from the OS: none is shared."""
+        """A copy draws its noise from a stream of its own, keyed from the OS: none is shared
+        (and none is replayed: a noise_seed is not copied)."""
         super().__setstate__(state)
         if self.method.step != "none":
             self._claim()
-        self.noise = NoiseStream()
+        self.noise_seed, self.noise = None, NoiseStream()
         self.shuffle_gen.manual_seed(int.from_bytes(os.urandom(8), "little"))
 
     def get_extra_state(self):
@@ -1574,9 +1585,9 @@ def image_stream(
     over as many time slots as classes by Dir(ALPHA) shares, as RoTTA draws it)."""
     perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
     if limit is not None:
-        group = np.zeros(len(perm), dtype=int)  # the corruption of each image (mixed)
-        if isinstance(dataset, Mixed):
-            group = np.searchsorted(dataset.cumulative_sizes, perm.numpy(), "right")
+        # the corruption of each image: a mixed stream's parts, else one part
+        ends = getattr(dataset, "cumulative_sizes", [len(dataset)])
+        group = np.searchsorted(ends, perm.numpy(), "right")
         rank = np.zeros(len(perm), dtype=int)  # each image's place among its group's, in order
         for g in np.unique(group):
             rank[group == g] = np.arange(np.count_nonzero(group == g))
@@ -2791,13 +2802,11 @@ def resumed(args, adapter, resume, key, state, mine, run):
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
     # (before the keyed stream "noise" was a torch generator's state; "data", "device" and
     # "arithmetic" came later)
-    current = (
-        isinstance(resume.get("noise"), dict)
-        and isinstance(resume.get("data"), dict)
-        and "device" in resume
-        and "arithmetic" in resume
+    current = isinstance(resume.get("noise"), dict) and isinstance(resume.get("data"), dict)
+    require(
+        current and {"device", "arithmetic"} <= set(resume),
+        f"{state} is from an older dptta: it cannot go on; {NEW_RUN}",
     )
-    require(current, f"{state} is from an older dptta: it cannot go on; {NEW_RUN}")
     saved_on = resume["device"]
     elsewhere = f"{state} was saved on {saved_on}: --device {saved_on} resumes it"
     require(saved_on == args.device, elsewhere)

@@ -20,7 +20,8 @@
 #   METHODS ("source tent eata sar deyo deyo_come"), VARIANTS ("plain clip dp"),
 #   EPSILONS ("20 15 10 5 1"), OUT (results.jsonl), TUNE_OUT (tune.jsonl), TUNED (tuned.json),
 #   EXTRA (more dptta.py flags, none that a cell sets, e.g. "--limit 2000 --fisher-data DIR":
-#   EATA's Fisher images, public and not ImageNet val, whose photos ImageNet-C is made of;
+#   EATA's Fisher images, public: under --privacy-unit photo not ImageNet val, whose photos
+#   ImageNet-C is made of;
 #   without it every eata cell runs with no anti-forgetting penalty, and says so),
 #   PYTHON (the interpreter with torch and timm; default python3, e.g. .venv/bin/python).
 #   A subset, e.g. METHODS="sar deyo" VARIANTS="dp" EPSILONS="5 1" ./run_imagenet_c.sh

@@ -302,7 +302,7 @@ def test_a_model_that_is_itself_a_batchnorm_is_refused_too():
     theta = dict(bn.named_parameters())
     with pytest.raises(ValueError, match=r"BatchNorm \[''\] in train mode"):
         dptta.per_sample_grads(bn, theta, lambda z, c: z.sum(1), torch.randn(3, 4))
-    assert dptta.adaptable_params(nn.BatchNorm1d(4).eval(), private=False)  # not per sample
+    assert dptta.adaptable_params(nn.BatchNorm1d(4).eval(), per_sample=False)  # plain
 
 
 def test_resnet_trunk_skips_layer4_like_the_originals():
@@ -986,6 +986,14 @@ def test_a_copy_never_draws_its_originals_noise():
         del b
     with pytest.raises(ValueError, match="another live DPTTA"):
         copy.copy(a)  # a shallow copy would share θ with a
+    del a
+    # a replayed adapter's copy draws fresh noise too, and says so: no noise_seed, a secret
+    # stream (the runner's ledger reads noise_seed to label a run NOT private)
+    a = dptta.DPTTA(tiny_vit(), "dp_tent", eps=1, clip=1.0, lr=0.1, noise_seed=3)
+    replayed = dptta.NoiseStream(3).normal(10)
+    b = copy.deepcopy(a)
+    assert b.noise_seed is None and not torch.equal(b.noise.normal(10), replayed)
+    assert a.noise_seed == 3 and torch.equal(a.noise.normal(10), replayed)
 
 
 def test_no_pickle_copy_or_checkpoint_holds_the_noise_key():
