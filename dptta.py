@@ -81,7 +81,7 @@ def _log_gdp_delta(eps, sigma):
     x = -eps / mu + mu / 2
     log_phi = special.log_ndtr(x)
     D = log_phi - eps - special.log_ndtr(x - mu)
-    if D < 0.1:  # D < 0.1: the difference has lost digits to cancellation; integrate it
+    if D < 0.1:  # the difference has lost digits to cancellation: integrate it instead
         nodes, weights = np.polynomial.legendre.leggauss(16)
         u = x - mu / 2 + nodes * mu / 2  # [x − μ, x] mapped to Legendre's [−1, 1]: du = μ/2 dt
         mills = np.exp(-(u**2) / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))  # φ(u)/Φ(u)
@@ -416,9 +416,8 @@ def clip_and_noise(grads, clip, sigma, noise_stream, tally=None):
     moves the sum by at most 2C: the noise is calibrated to the sum, then divided by B (noise
     added after dividing would be B times too small). Fresh noise, N(0, σ²C²) but for the
     lattice's 0.1% (below), for every coordinate of every tensor, from noise_stream (a
-    NoiseStream). A non-finite g_i counts as zero, a
-    decision that reads sample i alone and keeps the sensitivity at 2C; tally["nonfinite"]
-    counts them.
+    NoiseStream). A non-finite g_i counts as zero, a decision that reads sample i alone and
+    keeps the sensitivity at 2C; tally["nonfinite"] counts them.
 
     Floating point. Float noise takes float values only, and t + z rounds on a grid that
     depends on t: an adversary who computes the sum t of each candidate world can find a
@@ -2073,6 +2072,17 @@ def build_model(name, checkpoint=None, random_weights=False, seed=0):
     return model
 
 
+def weights_digest(model):
+    """SHA-256 of the model's parameters and buffers as built. A resumed run replays its killed
+    stream under the saved noise, which must meet the same weights: a hub's weights may change
+    under one name, and the same noise along another θ would cancel in the releases' difference."""
+    digest = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
 # ----------------------------------------------------------------------------
 # Records: whole lines of standard JSON, appended; a run's state, saved after each stream
 @functools.lru_cache
@@ -2606,9 +2616,10 @@ def open_inputs(args):
 
 def open_run(args):
     """Every input opened and checked before the first image: (streams, every folder read,
-    Fisher loader, model, its data config, the scored classes' lookup)."""
+    Fisher loader, model, its data config, the scored classes' lookup, the weights' digest)."""
     streams, folders, fisher_loader = open_inputs(args)
     model = build_model(args.model, args.checkpoint, bool(args.synthetic), args.seed)
+    weights = weights_digest(model)
     config = timm.data.resolve_data_config({}, model=model)
     transform = timm.data.create_transform(**config)
     for folder in folders.values():
@@ -2624,7 +2635,7 @@ def open_run(args):
     model = model.to(args.device)
     if args.device == "cuda" and not hasattr(model, "blocks"):  # conv trunks like channels_last
         model = model.to(memory_format=torch.channels_last)
-    return streams, folders, fisher_loader, model, config, lookup
+    return streams, folders, fisher_loader, model, config, lookup, weights
 
 
 def check_fits(args, model, config, streams):
@@ -2677,7 +2688,7 @@ DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}  # a prog
 def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     """Opens every input, then adapts: records and saves after each stream, then the run.
     status["run"]: the run's bookkeeping as it goes (what a signal's message reads)."""
-    streams, folders, fisher_loader, model, config, lookup = open_run(args)
+    streams, folders, fisher_loader, model, config, lookup, weights = open_run(args)
     adapter = make_adapter(args, model, config)
     mixed = args.setting == "mixed"
     if fisher_loader is not None:
@@ -2727,6 +2738,7 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     versions += f", torchvision {torchvision.__version__}, Pillow {PIL.__version__}"
     run["arithmetic"] = f"{versions}, {where}"
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
+    run["weights"] = weights
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine, run)
     start = time.time() - run["wall"]
@@ -2800,11 +2812,11 @@ def resumed(args, adapter, resume, key, state, mine, run):
     """A killed run's bookkeeping, its adapter where it stood; the records the state holds
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
-    # (before the keyed stream "noise" was a torch generator's state; "data", "device" and
-    # "arithmetic" came later)
+    # (before the keyed stream "noise" was a torch generator's state; "data", "device",
+    # "arithmetic" and "weights" came later)
     current = isinstance(resume.get("noise"), dict) and isinstance(resume.get("data"), dict)
     require(
-        current and {"device", "arithmetic"} <= set(resume),
+        current and {"device", "arithmetic", "weights"} <= set(resume),
         f"{state} is from an older dptta: it cannot go on; {NEW_RUN}",
     )
     saved_on = resume["device"]
@@ -2813,6 +2825,9 @@ def resumed(args, adapter, resume, key, state, mine, run):
     saved_under = f"{state} was saved under {resume['arithmetic']}, not {run['arithmetic']}"
     other = "its replay would compute other releases under the same noise"
     require(resume["arithmetic"] == run["arithmetic"], f"{saved_under}: {other}; {NEW_RUN}")
+    changed = f"{args.model}'s weights changed since {state} was saved"
+    now = f"(now sha256 {run['weights'][:12]}…)"
+    require(resume["weights"] == run["weights"], f"{changed} {now}: {other}; {NEW_RUN}")
     data = run["data"]
     for name in sorted(set(data) | set(resume["data"])):  # each folder's digest now and then
         if resume["data"].get(name) != data.get(name):

@@ -3328,8 +3328,8 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     """Fresh noise on images whose releases are out is a second, uncounted release: a damaged
     or missing state of a run with records, or one an older dptta saved, is refused (one line,
     exit 2), never restarted; so is one saved on another device or under another arithmetic
-    (torch, numpy, the decoders, GPU, CPU, threads), where the replay would round otherwise
-    under the same noise. A
+    (torch, numpy, the decoders, GPU, CPU, threads), or with other weights, where the replay
+    would round or step otherwise under the same noise. A
     state left by a kill after the run's record goes when the rerun finds the run done."""
     root, ckpt = tree
     out = tmp_path / "r.jsonl"
@@ -3360,7 +3360,8 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     for older_field in (dict(data="0" * 64),  # one digest for all the streams
                         dict(noise=torch.Generator().get_state()),  # torch's generator
                         dict(device=None),  # no device (None: the field removed)
-                        dict(arithmetic=None)):  # no arithmetic
+                        dict(arithmetic=None),  # no arithmetic
+                        dict(weights=None)):  # no digest of the weights
         older = torch.load(io.BytesIO(good), weights_only=False)
         older.update(older_field)
         older = {k: v for k, v in older.items() if v is not None}
@@ -3397,6 +3398,24 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
             dptta.main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and "its replay would compute other releases" in err, err
+    # other weights under the same name (a hub's new revision): the replay would step along
+    # another θ under the same noise
+    build = dptta.build_model
+
+    def other_weights(*args, **kwargs):
+        model = build(*args, **kwargs)
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)
+        return model
+
+    state.write_bytes(good)
+    state.chmod(0o600)
+    monkeypatch.setattr(dptta, "build_model", other_weights)
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "weights changed since" in err and len(err.splitlines()) == 1, err
+    monkeypatch.undo()
     state.write_bytes(good)
     state.chmod(0o600)
     assert dptta.main(argv) == 0 and not state.exists()
