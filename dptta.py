@@ -707,10 +707,12 @@ DEYO_COME = replace(
 )
 # norm: BatchNorm layers normalize with the test batch (Schneider et al. 2020); dp_norm releases
 # those statistics privately instead (DPNorm, after DPTTA)
-NORM = Method("norm", step="norm", constants=dict(bn_layers=None, bn_scale=0.5))
+# (bn_layers: how many of the BatchNorm layers, from the input; bn_scale: dp_norm's clip)
+NORM = Method("norm", step="norm", constants=dict(bn_layers=None))
+DP_NORM = replace(private(NORM), constants=dict(bn_layers=None, bn_scale=0.5))
 ORIGINALS = (TENT, COME, EATA, SAR, DEYO, DEYO_COME)
 BASES = tuple(m.name for m in ORIGINALS)  # the originals' names; "dp_" + one: its DP variant
-METHODS = {m.name: m for m in (SOURCE, *ORIGINALS, *map(private, ORIGINALS), NORM, private(NORM))}
+METHODS = {m.name: m for m in (SOURCE, *ORIGINALS, *map(private, ORIGINALS), NORM, DP_NORM)}
 CONSTANTS = {k for m in METHODS.values() for k in (*m.constants, *m.filter_constants)}
 # ----------------------------------------------------------------------------
 # The adapter
@@ -787,8 +789,8 @@ class DPTTA(nn.Module):
         fp32 = f"fp32: {FP32_TINY:.2g} to {FP32_MAX:.2g}"
         bad_clip = f"clip must be finite and > 0 ({fp32}), got {clip}"
         need(clip is None or FP32_TINY <= clip <= FP32_MAX, bad_clip)
-        good_lr = lr is not None and 0 < lr <= FP32_MAX
-        need(good_lr or not by_gradient, f"{name} needs a finite lr > 0")
+        good_lr = lr is not None and FP32_TINY <= lr <= FP32_MAX  # (below it: 0 in fp32)
+        need(good_lr or not by_gradient, f"{name} needs a finite lr > 0 ({fp32}), got {lr}")
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         need(noise_seed is None or isinstance(noise_seed, int), "noise_seed is an int or None")
@@ -1976,12 +1978,15 @@ def parse_hp(items, method):
     for item in items:
         name, _, text = item.partition("=")
         require(name in known, f"--hp {item}: unknown constant; {', '.join(HP_TYPES)}")
+        require(name not in hp, f"--hp {name} is given twice: one value each")
         kind, low, high = HP_TYPES.get(name, (float, -math.inf, math.inf))
         try:
             hp[name] = kind(text)
         except ValueError:
             fail(f"--hp {item}: {text!r} is not a {kind.__name__}")
-        require(math.isfinite(hp[name]), f"--hp {item}: must be finite")
+        # (an int beyond a float's range is refused before isfinite, which would overflow on it)
+        finite = abs(hp[name]) <= sys.float_info.max and math.isfinite(hp[name])
+        require(finite, f"--hp {item}: must be finite")
         require(low < hp[name] < high, f"--hp {item}: must be in ({low:g}, {high:g})")
     return hp
 
@@ -2412,9 +2417,10 @@ def drift_of(adapter):
         return math.sqrt(total)
     if not adapter.params:
         return None
-    return math.sqrt(
-        sum((p.detach() - adapter.theta0[n]).pow(2).sum().item() for n, p in adapter.params.items())
-    )
+    total = 0.0
+    for name, p in adapter.params.items():  # in float64: a far θ's squares overflow fp32
+        total += (p.detach().double() - adapter.theta0[name].double()).pow(2).sum().item()
+    return math.sqrt(total)
 
 
 def _stop(signum, frame):
@@ -2426,13 +2432,28 @@ def _stop(signum, frame):
         raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def signals_stop_it():
+    """SIGINT, SIGTERM and SIGHUP (a dropped ssh session) raise KeyboardInterrupt (_stop) while
+    a run or a benchmark lives, so that its cleanup runs (temp trees, workers, the lock): by
+    default the last two kill the process where it stands."""
+    handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    STOP.clear()
+    try:
+        yield
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.summarize is not None:
         check_common(args, "summarize")
         return summarize(args.summarize, args.per_corruption, args.error)
     if args.benchmark:
-        return benchmark(args)
+        with signals_stop_it():
+            return benchmark(args)
     if args.audit:
         return audit_cli(args)
     check_args(args)
@@ -2442,7 +2463,7 @@ def main(argv=None):
     # the run's state after each stream holds the noise stream's key: as secret as the data
     # (by the real path of --out: a run through a symlink to it is the same cell's)
     state = None if args.out == os.devnull else f"{os.path.realpath(args.out)}.{run_hash}.pt"
-    with one_run_of(state):
+    with one_run_of(state), signals_stop_it():
         return adapt_resumably(args, key, hp_note, state)
 
 
@@ -2523,9 +2544,6 @@ def adapt_resumably(args, key, hp_note, state):
             f"--resume: {args.out} holds corruption records of this run but not its state ({state}): it cannot go on without releasing their images again; {NEW_RUN}"
         )
     status = {}  # the run's bookkeeping, "run", as it goes (adapt_and_record)
-    # (SIGHUP: a dropped ssh session)
-    handlers = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    STOP.clear()
     try:
         with contextlib.ExitStack() as cleanup:  # the smoke run's tree goes on every exit path
             if args.synthetic:
@@ -2556,9 +2574,6 @@ def adapt_resumably(args, key, hp_note, state):
         how = "--resume goes on" if resumable else "nothing to resume"
         print(f"dptta: stopped by {name}; {recorded}, no final record ({how})", file=sys.stderr)
         return 128 + signum
-    finally:
-        for s, h in handlers.items():
-            signal.signal(s, h)
 
 
 def read_state(path):
@@ -3025,9 +3040,12 @@ def print_table(k, cells, error, apart):
     header names, besides the setting, the fields in `apart` (those that tell tables apart).
     Returns each cell's row label."""
     what = "error %" if error else "top-1 %"
+    data = k["dataset"]
+    if data == "imagenet_c":  # (ImageNet-R has no severity)
+        data += f" severity {k['severity']}"
     others = "".join(f" | {f}={json.dumps(k.get(f), sort_keys=True)}" for f in apart)
     print(
-        f"\n{k['dataset']} severity {k['severity']} | {k['model']} | {k['setting']} | batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions{others} | mean {what} over seeds"
+        f"\n{data} | {k['model']} | {k['setting']} | batch {k['batch_size']}{wild(k)} | {len(k['corruptions'])} corruptions{others} | mean {what} over seeds"
     )
     entries = [(runs[0]["key"], variant_of(runs[0]["key"]), runs) for runs in cells]
     rows, labels = {}, []
@@ -3369,5 +3387,5 @@ def audit_cli(args):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except KeyboardInterrupt:  # at start-up: nothing written
-        sys.exit(130)
+    except KeyboardInterrupt:  # at start-up, or a benchmark's: nothing written
+        sys.exit(128 + (STOP[0] if STOP else signal.SIGINT))

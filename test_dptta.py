@@ -807,6 +807,7 @@ def test_method_constants_follow_a_given_number_of_classes():
     (dict(method="dp_tent", clip=1e-39, lr=0.1, eps=1), "clip must be finite and > 0 \\(fp32"),
     (dict(method="dp_tent", clip=1.0, lr=1e39, eps=1), "needs a finite lr > 0"),
     (dict(method="tent", lr=0.0), "needs a finite lr > 0"),
+    (dict(method="tent", lr=1e-46), "needs a finite lr > 0"),  # 0 in fp32: a run that never moves
     (dict(method="dp_tent", lr=math.inf, clip=1.0, eps=1), "needs a finite lr > 0"),
     (dict(method="tent"), "needs a finite lr > 0"),
     (dict(method="dp_tent", lr=0.1, eps=5.0), "needs clip"),
@@ -2681,6 +2682,8 @@ def test_cli_imagenet_r_scores_on_the_classes_present(tmp_path):
     assert r.returncode == 0, r.stderr
     assert final_record(tmp_path / "r.jsonl")["accuracy"] == {"imagenet_r": 50.0}
     assert "| imagenet_r | 1 stream(s)" in r.stdout  # no severity: ImageNet-R has none
+    table = run_main("--summarize", tmp_path / "r.jsonl").stdout  # nor in its table
+    assert "\nimagenet_r | " in table and "severity" not in table, table
 
 
 def bad_input_cases(root, ckpt):
@@ -2720,6 +2723,11 @@ def bad_input_cases(root, ckpt):
         "unknown hp": (ok + ["--hp", "margin=1"], "unknown constant"),
         "hp not a number": (ok + ["--hp", "e_margin=big"], "is not a float"),
         "hp inf": (ok + ["--hp", "rho=inf"], "must be finite"),
+        "hp twice": (ok + ["--method", "dp_deyo", "--hp", "patch_grid=2", "--hp", "patch_grid=4"],
+                     "--hp patch_grid is given twice"),
+        # an int too large for a float: isfinite would overflow (a traceback)
+        "hp int past a float": (ok + ["--method", "dp_deyo", "--hp", "patch_grid=1" + "0" * 400],
+                                "must be finite"),
         "unknown model": (run + ["--model", "no_such_net"], "unknown timm model"),
         "batchnorm": (["--corruptions", "gaussian_noise", "--model", "resnet18",
                        "--synthetic", "2", "--method", "dp_tent"], "BatchNorm"),
@@ -2820,6 +2828,9 @@ def bad_input_cases(root, ckpt):
         "repeat episodic": (ok + ["--repeat", "2", "--setting", "episodic"], "--repeat is for"),
         "dp_norm constant on tent": (ok + ["--method", "tent", "--hp", "bn_scale=1"],
                                      "does not change a tent run"),
+        # norm normalizes with the batch: dp_norm's clip scale would be a no-op in its key
+        "dp_norm's clip on norm": (ok + ["--method", "norm", "--hp", "bn_scale=2"],
+                                   "does not change a norm run"),
         "unknown pretrained tag": (run + ["--model", "vit_tiny_patch16_224.nope"],
                                    "Invalid pretrained tag"),
         "audit model": (["--audit", "--model", CLI_MODEL], "--model does not apply"),
@@ -4251,6 +4262,42 @@ def test_benchmark_prints_table_and_json(tmp_path):
     assert rec["vmap_fallbacks"] == 0 and "vmap fallbacks: 0" in r.stdout
     fastest = max(row["images_per_s"] for row in rec["rows"][1:])
     assert f"the fastest step above takes {fastest:.0f} img/s" in r.stdout
+
+
+def test_the_drift_of_a_far_theta_is_finite():
+    """‖θ − θ0‖, a record's drift, is summed in float64: θ 1e20 from θ0 is finite in fp32,
+    its squares are not, and the record would say inf."""
+    a = dptta.DPTTA(tiny_vit(), "tent", lr=0.1)
+    a._set_theta({n: t + 1e20 for n, t in a.theta0.items()})
+    n = sum(t.numel() for t in a.theta0.values())
+    assert dptta.drift_of(a) == pytest.approx(1e20 * math.sqrt(n), rel=1e-6)
+
+
+def test_a_signal_stops_a_benchmark_and_removes_its_temp_tree(tmp_path):
+    """SIGTERM (scancel, timeout) during --benchmark ends it as it ends a run: the handler
+    raises, so its loader's temp tree is removed, instead of the process dying where it
+    stands. The signal comes as the tree is made (one method timed: a short benchmark)."""
+    script = "\n".join([
+        "import os, signal, sys, dptta",
+        "dptta.BASES = ('tent',)",
+        "make = dptta.make_synthetic_tree",
+        "def made_then_stopped(*args, **kwargs):",
+        "    root = make(*args, **kwargs)",
+        "    os.kill(os.getpid(), signal.SIGTERM)",
+        "    return root",
+        "dptta.make_synthetic_tree = made_then_stopped",
+        "try:",
+        "    dptta.main(sys.argv[1:])",
+        "except KeyboardInterrupt:",
+        "    sys.exit(128 + dptta.STOP[0])",
+    ])
+    argv = ["--benchmark", "--model", CLI_MODEL, "--batch-size", "2", "--device", "cpu",
+            "--rounds", "1", "--workers", "0", "--out", str(tmp_path / "b.jsonl")]
+    r = subprocess.run([sys.executable, "-c", script, *argv], cwd=HERE, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr[-2000:])
+    assert not list(tmp_path.glob("dptta-bench-*"))
+    assert not (tmp_path / "b.jsonl").exists()  # stopped: no record
 
 
 # ----------------------------------------------------------------------------
