@@ -709,7 +709,7 @@ DEYO_COME = replace(
 # those statistics privately instead (DPNorm, after DPTTA)
 # (bn_layers: how many of the BatchNorm layers, from the input; bn_scale: dp_norm's clip)
 NORM = Method("norm", step="norm", constants=dict(bn_layers=None))
-DP_NORM = replace(private(NORM), constants=dict(bn_layers=None, bn_scale=0.5))
+DP_NORM = replace(private(NORM), constants=dict(NORM.constants, bn_scale=0.5))
 ORIGINALS = (TENT, COME, EATA, SAR, DEYO, DEYO_COME)
 BASES = tuple(m.name for m in ORIGINALS)  # the originals' names; "dp_" + one: its DP variant
 METHODS = {m.name: m for m in (SOURCE, *ORIGINALS, *map(private, ORIGINALS), NORM, DP_NORM)}
