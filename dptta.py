@@ -116,7 +116,8 @@ def _smallest(f, lo, hi):
 
 def _relative_excess(eps, sigma, delta):
     """δ(ε)/δ − 1, computed as gdp_delta computes δ: <= 0 exactly where δ(ε) <= δ."""
-    return np.exp(_log_gdp_delta(eps, sigma)) / delta - 1
+    with np.errstate(over="ignore"):  # below a subnormal δ (1e-320) the ratio is inf: still > 0
+        return np.exp(_log_gdp_delta(eps, sigma)) / delta - 1
 
 
 def calibrate_sigma(*, eps, delta, repeats=1):
@@ -751,7 +752,9 @@ class DPTTA(nn.Module):
 
     reset() goes back to the source (θ, optimizer, method state; never the noise); flush()
     steps on a pending accumulate window. replay, a dict, makes each batch's per-sample pass
-    run once (the audit's seam: its trials repeat only clip, noise and step)."""
+    run once (the audit's seam: its trials repeat only clip, noise and step). on_release, a
+    function, sees every release before anything uses it (the runner's seam: a resumed run
+    checks that its replay remakes the releases of the run it resumes)."""
 
     bn_src = {}  # {layer: (μ_src, σ²_src)} with private statistics: DPNorm's; none here
 
@@ -825,7 +828,7 @@ class DPTTA(nn.Module):
         self.noise_seed, self.noise = noise_seed, NoiseStream(noise_seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed)
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        self.tally, self.replay = {}, None
+        self.tally, self.replay, self.on_release = {}, None, None
         self.reset()
 
     def _check_model(self, model):
@@ -951,8 +954,14 @@ class DPTTA(nn.Module):
             if not keep.any():
                 return logits, None, keep, state
             g = {n: t[keep] for n, t in g.items()}
-        g = clip_and_noise(g, self.clip, self.sigma, self.noise, self.tally)
-        return logits, g, keep, state
+        return logits, self._release(g, self.clip), keep, state
+
+    def _release(self, grads, clip):
+        """One release, clip_and_noise on the adapter's noise, shown to on_release first."""
+        release = clip_and_noise(grads, clip, self.sigma, self.noise, self.tally)
+        if self.on_release is not None:
+            self.on_release(release)
+        return release
 
     def _plain_gradient(self, theta, x, ctx, keep):
         logits = z = logits_of(functional_call(self.model, theta, (x,)))
@@ -1067,9 +1076,10 @@ class DPTTA(nn.Module):
     def __getstate__(self):
         """copy.deepcopy and pickle. The noise stream is left out: its key regenerates every
         draw, past ones too, and would cancel the noise of the releases. So is the audit's
-        replay: it holds raw test batches and their per-sample gradients."""
+        replay: it holds raw test batches and their per-sample gradients (and on_release, the
+        runner's)."""
         self._refuse_a_pending_window()
-        return dict(super().__getstate__(), noise=None, replay=None)
+        return dict(super().__getstate__(), noise=None, replay=None, on_release=None)
 
     def __setstate__(self, state):
         """A copy draws its noise from a stream of its own, keyed from the OS: none is shared
@@ -1121,8 +1131,9 @@ NORM_HOPELESS = 0.5  # the average's noise above which dp_norm cannot move off t
 
 
 def release_noise(sigma, clip, batch):
-    """τ², the noise variance per coordinate of a release (Σ clip(v_i, c) + N(0, σ²c²I)) / B."""
-    return 0.0 if sigma == 0 else (sigma * clip / batch) ** 2
+    """τ², the noise variance per coordinate of a release (Σ clip(v_i, c) + N(0, σ²c²I)) / B:
+    clip_and_noise draws (1 + η)σc (its lattice's η), and the lattice adds far less (γ²/12)."""
+    return 0.0 if sigma == 0 else ((1 + LATTICE) * sigma * clip / batch) ** 2
 
 
 def norm_gain(noise):
@@ -1207,7 +1218,7 @@ class DPNorm(DPTTA):
     (C here: the layer's channels, not the clip; v_i has two moments per channel.)
     Replacing one image moves the sum by at most 2c, so each release is (2/σ_l)-GDP; an
     image is in one batch, and the L releases of a forward compose to 2√L/σ_l = 2/σ, so
-    σ_l = √L·σ(ε, δ). The release's noise is known exactly, τ = σ_l·c/B per coordinate,
+    σ_l = √L·σ(ε, δ). The release's noise is known exactly, τ = (1 + η)σ_l·c/B per coordinate,
     and everything after it is post-processing: the releases are averaged (running_average,
     a long and a short memory, restarted when the stream shifts), each layer's mean and
     variance are estimated without bias and shrunk toward the source by their
@@ -1334,7 +1345,7 @@ class DPNorm(DPTTA):
         mean, var = self.bn_src[name]
         v = bn_moments(args[0], mean, var, bn.eps)
         c = self.moment_clip(len(mean))
-        s = clip_and_noise({"v": v}, c, self.sigma, self.noise)["v"]
+        s = self._release({"v": v}, c)["v"]
         tau2 = release_noise(self.sigma, c, len(v))
         self.state[name] = averaged(self.state.get(name), s, tau2)
         self._normalize(name)
@@ -1752,8 +1763,12 @@ def require(ok, message):
         fail(message)
 
 
-def one_line(e):
+def one_line(e, limit=300):
+    """An exception's message on one line, cut at `limit` characters: a state_dict that does
+    not fit lists every key (12 KB for ViT-B/16), and one line should read at a glance."""
     text = " ".join(str(e).split())
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
     return text if text else type(e).__name__
 
 
@@ -2025,11 +2040,13 @@ def check_model(name):
         fail(f"{e}; tags: {', '.join(timm.list_pretrained(name.split('.')[0] + '.*'))}")
 
 
-def check_batchnorm(model, name, method, bn):
-    """Per-sample gradients (dp_, --clip) need BatchNorm frozen; said in the CLI's words."""
+def check_batchnorm(model, name, method, bn, per_sample=True):
+    """--bn needs BatchNorm, and per-sample gradients (dp_, --clip) need it frozen; said in the
+    CLI's words."""
     has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
+    require(bn is None or has_bn, f"--bn {bn}: {name} has no BatchNorm")
     require(
-        not has_bn or bn == "source",
+        not (per_sample and has_bn) or bn == "source",
         f"{name} has BatchNorm, which normalizes with the test batch and so mixes its samples: {method} needs per-sample gradients; --bn source freezes it at its source statistics",
     )
 
@@ -2513,13 +2530,17 @@ def adapt_resumably(args, key, hp_note, state):
     """The run, after a killed one's state if --resume finds it; stopped by a signal, it says
     what is kept."""
     mine = []  # this run's records already in --out
-    if args.resume and os.path.exists(args.out):
+    if state and os.path.exists(args.out):
         mine = [r for _, r in read_jsonl(args.out, "--out") if r.get("key") == key]
-    if any(r.get("mode") == "adapt" for r in mine):
+    if args.resume and any(r.get("mode") == "adapt" for r in mine):
         print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed}; skipped")
-        if os.path.exists(state):  # a kill between the run's record and the state's removal
-            os.remove(state)
+        remove_state(state)  # a kill between the run's record and the state's removal
         return 0
+    if any(r.get("mode") == "adapt" for r in mine):  # (the user's choice: said)
+        warn(
+            f"{args.out} holds this run already: this one releases its images again, and both "
+            "runs' releases count (--resume would skip it)"
+        )
     resume = None
     if not args.resume and state and os.path.exists(state):  # (the user's choice: said)
         warn(
@@ -2539,7 +2560,7 @@ def adapt_resumably(args, key, hp_note, state):
             fail(
                 f"{state} is damaged ({one_line(e)}): its run cannot go on, and starting it afresh would release its images again; remove it and {NEW_RUN}"
             )
-    elif any(r.get("mode") == "corruption" for r in mine):
+    elif args.resume and any(r.get("mode") == "corruption" for r in mine):
         fail(
             f"--resume: {args.out} holds corruption records of this run but not its state ({state}): it cannot go on without releasing their images again; {NEW_RUN}"
         )
@@ -2553,8 +2574,8 @@ def adapt_resumably(args, key, hp_note, state):
                 make_synthetic_tree(args.data, args.corruptions, args.severity, args.synthetic)
             return adapt_and_record(args, key, hp_note, state, resume, mine, status)
     except SystemExit as e:
-        if e.code == 3 and state and os.path.exists(state):  # diverged: nothing to resume
-            os.remove(state)
+        if e.code == 3:  # diverged: nothing to resume
+            remove_state(state)
         raise
     except UnreadableFile as e:  # (from a DataLoader worker: its message quotes its traceback)
         unread = re.findall(r"cannot read [^\n]*", str(e))[-1]
@@ -2564,8 +2585,7 @@ def adapt_resumably(args, key, hp_note, state):
         signum, run = STOP[0] if STOP else signal.SIGINT, status.get("run", {})
         name = signal.Signals(signum).name
         if run.get("final"):  # after the final record: the run is whole
-            if state and os.path.exists(state):
-                os.remove(state)
+            remove_state(state)
             print(f"dptta: {name} after the run's final record: it is complete", file=sys.stderr)
             return 0
         done = status.get("recorded", 0)  # streams whose records are in --out (not just saved)
@@ -2661,10 +2681,8 @@ def check_fits(args, model, config, streams):
         args.hp.get("patch_grid", 1) <= side,
         f"--hp patch_grid={args.hp.get('patch_grid')}: more patches than {side} pixels",
     )
-    has_bn = any(isinstance(m, BATCH_NORM) for m in model.modules())
-    require(args.bn is None or has_bn, f"--bn {args.bn}: {args.model} has no BatchNorm")
-    if args.clip is not None and METHODS[args.method].step in ("plain", "sam"):
-        check_batchnorm(model, args.model, args.method, args.bn)
+    per_sample = args.clip is not None and METHODS[args.method].step in ("plain", "sam")
+    check_batchnorm(model, args.model, args.method, args.bn, per_sample)
     logits = getattr(model, "num_classes", 0)
     if args.dataset == "imagenet_r":  # scored at the classes present
         logits = len(set(streams["imagenet_r"].imagenet_index))
@@ -2754,12 +2772,17 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     run["arithmetic"] = f"{versions}, {where}"
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
     run["weights"] = weights
+    logged = {}  # a resumed run's: {noise block: digest} of the killed run's releases
     if resume is not None:
         run = resumed(args, adapter, resume, key, state, mine, run)
+        logged = read_release_log(state)
     start = time.time() - run["wall"]
     status["run"], status["recorded"] = run, len(run["done"])
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
+        start_release_log(state)  # (before the state: no state is ever without its log)
         save_state(state, run_state(run, adapter), first=True)
+    if state and adapter.sigma > 0:
+        adapter.on_release = partial(log_release, adapter, state, logged)
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
         label = name if args.repeat == 1 else f"{name}#{r + 1}"
         if label in run["done"]:
@@ -2801,9 +2824,67 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
             append_jsonl(args.out, record)
         status["recorded"] += 1
     finish(args, run, streams, adapter, ledger, hp_note, start)
-    if state and os.path.exists(state):
-        os.remove(state)
+    remove_state(state)
     return 0
+
+
+def remove_state(state):
+    """A run's state and its release log, where they exist (--out /dev/null: none)."""
+    for path in (state, f"{state}.releases") if state else ():
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def start_release_log(state):
+    """An empty release log beside a new run's state, created by this run alone (O_EXCL, 0600,
+    as the state; a planted file or link is removed first). A run stops where it fails."""
+    if state is None:
+        return
+    log = f"{state}.releases"
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(log)
+    try:
+        os.close(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except OSError as e:
+        fail(f"cannot create the run's release log {log} ({one_line(e)}); no image was read", 4)
+
+
+def read_release_log(state):
+    """A killed run's release log: {noise block: digest}. A line cut short by the kill is one
+    whose release was never used (log_release writes it first): left out."""
+    log = f"{state}.releases"
+    data = read_state(log)
+    why = "missing, or not a file of this user's that only it reads"
+    require(data is not None, f"{log} is {why}: the replay cannot be checked; {NEW_RUN}")
+    logged = {}
+    for line in data.decode("ascii", "replace").splitlines(keepends=True):
+        block, _, digest = line.strip().partition(" ")
+        if line.endswith("\n") and block.isdigit() and len(digest) == 16:
+            logged[int(block)] = digest
+    return logged
+
+
+def log_release(adapter, state, logged, release):
+    """adapter.on_release in a run: the release's digest, by the noise block it drew, appended
+    to the log before the release is used. A resumed run draws the killed run's blocks again,
+    and each of its releases must then be the one logged: the same noise on another sum
+    (other images, other arithmetic, a GPU's nondeterministic kernels) would show the two
+    sums' difference, noise-free."""
+    log, block, digest = f"{state}.releases", adapter.noise.blocks - 1, hashlib.sha256()
+    for t in release.values():
+        digest.update(t.detach().cpu().numpy().tobytes())
+    digest = digest.hexdigest()[:16]
+    if block in logged:
+        if digest != logged[block]:
+            changed = f"release {block + 1} of the replay is not the one {state}'s run made"
+            why = "the same noise on another sum would show the difference; stopped before using it"
+            fail(f"{changed} (other images or arithmetic): {why}; {NEW_RUN}")
+        return
+    try:
+        with open(log, "a", opener=no_link) as f:
+            f.write(f"{block} {digest}\n")
+    except OSError as e:
+        fail(f"cannot log a release in {log} ({one_line(e)}): stopped before using it", 4)
 
 
 def cpu_model():

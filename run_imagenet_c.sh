@@ -270,25 +270,22 @@ fi
 nworkers=$(( ngpu > 0 ? ngpu : 1 ))  # no GPU: one worker, dptta.py picks the CPU
 workers="$nworkers worker(s) ($([ "$ngpu" -gt 0 ] && echo "$ngpu GPU(s)" || echo "no GPU: CPU"))"
 
-if [ $dry = 1 ]; then
-  for j in "${!cells[@]}"; do command_of "$j"; done
-  echo "# ${#cells[@]} cells ($stage) on $workers"
-  exit 0
-fi
-
-# Once, before any cell: the data root and the weights of every model the cells use (offline,
-# each cell would otherwise spend a minute in download retries and fail)
+# Once, before any cell: EXTRA's flags (--dry-run stops there and prints the grid), then the
+# data root and the weights of every model the cells use (offline, each cell would otherwise
+# spend a minute in download retries and fail)
 # shellcheck disable=SC2086  # a cell and EXTRA are lists of flags: split them into words
-CELLS=$cells_text OUT_FILE=$out "$PYTHON" - $EXTRA <<'PY' || exit 2
+# (the cells on file descriptor 3: the tune stage's 2,970 exceed what one variable may hold)
+DRY=$dry OUT_FILE=$out "$PYTHON" - $EXTRA 3<<< "$cells_text" <<'PY' || exit 2
 import contextlib, copy, gc, io, os, sys
 import timm
 import dptta
+CELLS = open(3).read().splitlines()
 # EXTRA's flags as dptta.py reads them (--seed=3, an abbreviation --se 3): none that a cell
 # sets (EXTRA would override it: --batch-size 32 beside BATCHES=16's --accumulate 4)
 extra = dptta.parse_args(sys.argv[1:])
 grids = {"out", "resume"}
 constants = set()  # the cells' --hp constants: EXTRA may add others, not set these
-for cell in os.environ["CELLS"].splitlines():
+for cell in CELLS:
     flags = dptta.parse_args(cell.split())
     grids |= set(flags.given) - {"hp"}
     constants |= {pair.partition("=")[0] for pair in flags.hp}
@@ -301,8 +298,10 @@ if "noise_seed" in extra.given:  # (two cells on the same images, one noise: it 
 for tool in ("summarize", "benchmark", "audit"):  # (every cell would refuse the others' flags)
     if tool in extra.given:
         dptta.fail(f"EXTRA sets --{tool}, a tool: the grid's cells are runs")
+if os.environ["DRY"] == "1":  # the grid as it would run: its folders and weights unchecked
+    sys.exit(0)
 cells = []
-for cell in os.environ["CELLS"].splitlines():  # each checked as dptta.py checks it (quietly)
+for cell in CELLS:  # each checked as dptta.py checks it (quietly)
     argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[1:]
     with contextlib.redirect_stdout(io.StringIO()):
         cells.append(dptta.check_args(dptta.parse_args(argv)))
@@ -330,6 +329,12 @@ for cell in cells:  # its weights, its folders and Fisher images, its flags agai
         dptta.make_adapter(cell, copy.deepcopy(model), config)
         gc.collect()  # (the copy goes with the adapter)
 PY
+
+if [ $dry = 1 ]; then
+  for j in "${!cells[@]}"; do command_of "$j"; done
+  echo "# ${#cells[@]} cells ($stage) on $workers"
+  exit 0
+fi
 
 # shellcheck disable=SC2086
 if [ -n "$task" ]; then  # one cell per array task; the summary is yours
@@ -382,13 +387,14 @@ trap - INT TERM HUP
 
 if [ $stage = tune ]; then  # per setting, method and column: the (C, lr) with the best mean
   # shellcheck disable=SC2086
-  CELLS=$cells_text OUT_FILE=$out "$PYTHON" - "$TUNE_OUT" "$TUNED" $EXTRA <<'PY'
+  OUT_FILE=$out "$PYTHON" - "$TUNE_OUT" "$TUNED" $EXTRA 3<<< "$cells_text" <<'PY'
 import contextlib, io, json, os, sys
 import dptta
+CELLS = open(3).read().splitlines()  # (as the check before the first cell reads them)
 # this grid's cells' run keys: a record of another run in TUNE_OUT (another model, --limit,
 # batch, the test stream's corruptions) is never chosen from
 keys = set()
-for cell in os.environ["CELLS"].splitlines():
+for cell in CELLS:
     argv = cell.split() + ["--out", os.environ["OUT_FILE"], "--resume"] + sys.argv[3:]
     with contextlib.redirect_stdout(io.StringIO()):  # (as main keys a run)
         args = dptta.check_args(dptta.parse_args(argv))

@@ -220,6 +220,15 @@ def test_accountant_holds_from_eps_1e_6_to_1e3_and_delta_to_1e_300():
             assert back == pytest.approx(eps, rel=1e-7 if eps >= 1e-2 else 1e-4)
 
 
+def test_a_subnormal_delta_is_calibrated_without_a_warning():
+    """δ = 1e-320 (subnormal: 1/δ overflows) gets its σ, silently, and σ meets it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sigma = dptta.calibrate_sigma(eps=5, delta=1e-320)
+        assert dptta.gdp_delta(eps=5, sigma=sigma) <= 1e-320
+        assert dptta.gdp_epsilon(sigma=sigma, delta=1e-320) == pytest.approx(5, rel=1e-7)
+
+
 def test_a_huge_eps_is_refused_up_front_and_the_largest_allowed_works():
     sigma = dptta.calibrate_sigma(eps=dptta.EPS_MAX, delta=1e-6)
     assert 0 < sigma and dptta.gdp_delta(eps=dptta.EPS_MAX, sigma=sigma) <= 1e-6
@@ -2055,6 +2064,16 @@ def test_dp_norm_release_has_the_predicted_noise_and_sensitivity_2c():
         assert (sums[0] - sums[1]).norm() <= 2 * c * (1 + 1e-12)
 
 
+def test_dp_norm_knows_its_release_noise_to_a_tenth_of_a_percent():
+    """DPNorm weighs each release by τ², which must be what clip_and_noise draws: Monte Carlo
+    over 2^24 coordinates of one release of a zero sum (the variance's standard error 0.035%)
+    against release_noise. The lattice's (1 + η)² is 0.2% of the variance."""
+    sigma, c, B = 2.0, 1.5, 4
+    zeros = {"v": torch.zeros(B, 2**24, dtype=torch.float64)}
+    release = dptta.clip_and_noise(zeros, c, sigma, dptta.NoiseStream(seed=0))["v"]
+    assert release.var().item() == pytest.approx(dptta.release_noise(sigma, c, B), rel=1e-3)
+
+
 class Twice(nn.Module):
     """A BatchNorm net whose forward runs one module twice: shared, or a block applied twice."""
 
@@ -2767,6 +2786,8 @@ def bad_input_cases(root, ckpt):
                                     "unknown timm model"),
         "benchmark batchnorm": (["--benchmark", "--model", "resnet18", "--device", "cpu"],
                                 "BatchNorm"),
+        "benchmark bn without batchnorm": (["--benchmark", "--bn", "source", "--device", "cpu"],
+                                           "has no BatchNorm"),
         "benchmark rounds 0": (["--benchmark", "--rounds", "0"], "--rounds must be >= 1"),
         "audit trials 0": (["--audit", "--trials", "0"], "--trials must be >= 100"),
         "audit eps on an original": (["--audit", "--method", "tent", "--eps", "5"],
@@ -2852,6 +2873,7 @@ def test_cli_bad_input_is_one_line_and_exit_2_before_any_image(tree, case, capsy
     captured = capsys.readouterr()
     err = captured.err.strip()
     assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert len(err) < 800, err  # a line read at a glance (a state_dict's mismatch: 12 KB)
     assert "top-1" not in captured.out  # nothing was streamed
     assert "dp_source" not in err  # no advice to use a method that does not exist
     assert 'bn="source"' not in err and "bn='source'" not in err  # CLI flags, not keywords
@@ -3021,7 +3043,7 @@ def test_a_fresh_run_over_a_killed_runs_state_says_that_both_count(tree, tmp_pat
                                                                     capsys):
     """Without --resume a run of a killed cell starts afresh, with fresh noise on the images
     the killed run released: its choice, but it is said, in one line, and its state replaces
-    the killed run's (removed at its end)."""
+    the killed run's (removed at its end). A finished run run again is said as well."""
     root, ckpt = tree
     argv = ["--data", str(root), "--checkpoint", str(ckpt), "--out", str(tmp_path / "r.jsonl")]
     killed_in("shot_noise", monkeypatch)
@@ -3032,7 +3054,10 @@ def test_a_fresh_run_over_a_killed_runs_state_says_that_both_count(tree, tmp_pat
     assert dptta.main(argv + RESUMABLE[:-1]) == 0  # (no --resume)
     err = capsys.readouterr().err
     assert "a killed run of this cell, replaced" in err and "both count" in err
-    assert not list(tmp_path.glob("r.jsonl.*.pt"))
+    assert not list(tmp_path.glob("r.jsonl.*"))  # no state, no release log
+    assert dptta.main(argv + RESUMABLE[:-1]) == 0  # a finished run, again: said too
+    err = capsys.readouterr().err
+    assert "holds this run already" in err and "both runs' releases count" in err, err
 
 
 def test_resume_of_a_killed_run_from_a_moved_tree_is_refused_naming_its_state(tree, tmp_path,
@@ -3078,13 +3103,15 @@ def test_a_killed_run_resumes_after_its_last_corruption_with_its_noise(tree, tmp
         monkeypatch.undo()
         saved = list(tmp_path.glob(f"{out.name}.*.pt"))
         assert len(saved) == 1  # the state after gaussian_noise
-        if not noise:  # resume twice from the same state
-            copy_of_state = saved[0].read_bytes()
+        if not noise:  # resume twice from the same state (and its release log)
+            log = pathlib.Path(f"{saved[0]}.releases")
+            copy_of_state, copy_of_log = saved[0].read_bytes(), log.read_bytes()
             copy_of_records = out.read_text()
             assert dptta.main(argv + ["--out", str(out)]) == 0
             ends.append(final_record(out))
-            saved[0].write_bytes(copy_of_state)
-            saved[0].chmod(0o600)  # (restored as the runner writes it: private)
+            for path, data in ((saved[0], copy_of_state), (log, copy_of_log)):
+                path.write_bytes(data)
+                path.chmod(0o600)  # (restored as the runner writes it: private)
             out.write_text(copy_of_records)
         capsys.readouterr()
         assert dptta.main(argv + noise + ["--out", str(out)]) == 0
@@ -3332,6 +3359,66 @@ def test_a_kill_in_the_first_stream_resumes_from_the_start_with_the_same_noise(
     assert state.stat().st_mode & 0o077 == 0  # only its owner reads the noise's state
     assert not out.exists() and dptta.main(argv + ["--out", str(out)]) == 0
     assert final_record(out)["drift"] == final_record(tmp_path / "whole.jsonl")["drift"]
+
+
+
+def test_a_resumed_replay_must_remake_each_logged_release_before_it_is_used(
+        tree, tmp_path, monkeypatch, capsys):
+    """A run logs each release's digest before using it. Killed two releases into its second
+    stream, it resumes: the replay draws those two noise blocks again, and each release must
+    be the one logged. Under other arithmetic (here: gradients 1% off, which no fingerprint
+    of files, libraries or CPU sees) the first replayed release differs: the run stops
+    before using it (the same noise on two sums would show their difference, noise-free),
+    and the state stays. The true replay then ends as the run that was never killed."""
+    root, ckpt = tree
+    argv = ["--data", str(root), "--checkpoint", str(ckpt)] + RESUMABLE + ["--noise-seed", "9"]
+    assert dptta.main(argv + ["--out", str(tmp_path / "whole.jsonl")]) == 0
+    out, real_log, calls = tmp_path / "r.jsonl", dptta.log_release, []
+
+    def killed_after_six(*args):  # gaussian_noise's 4 releases, then 2 of shot_noise's
+        real_log(*args)
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dptta, "log_release", killed_after_six)
+    assert dptta.main(argv + ["--out", str(out)]) == 130
+    monkeypatch.undo()
+    state = next(tmp_path.glob("r.jsonl.*.pt"))
+    log = pathlib.Path(f"{state}.releases")
+    lines = log.read_text().splitlines()
+    assert [int(line.split()[0]) for line in lines] == list(range(6)), lines
+    assert log.stat().st_mode & 0o077 == 0
+    real_grads = dptta.per_sample_grads
+
+    def other_arithmetic(*args, **kwargs):
+        g, logits = real_grads(*args, **kwargs)
+        return {n: 1.01 * t for n, t in g.items()}, logits
+
+    monkeypatch.setattr(dptta, "per_sample_grads", other_arithmetic)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv + ["--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "release 5 of the replay is not the one" in err, err
+    assert len(err.splitlines()) == 1 and state.exists()
+    assert [r["corruption"] for r in records(out)] == ["gaussian_noise"]  # shot_noise's: none
+    monkeypatch.undo()
+    assert dptta.main(argv + ["--out", str(out)]) == 0
+    assert final_record(out)["drift"] == final_record(tmp_path / "whole.jsonl")["drift"]
+    assert not state.exists() and not log.exists()
+    # a log removed, or one that others can write to, cannot check a replay: refused
+    for i, damage in enumerate((pathlib.Path.unlink, lambda path: path.chmod(0o666))):
+        calls.clear()
+        again = ["--out", str(tmp_path / f"again{i}.jsonl")]
+        monkeypatch.setattr(dptta, "log_release", killed_after_six)
+        assert dptta.main(argv + again) == 130
+        monkeypatch.undo()
+        damage(pathlib.Path(f"{next(tmp_path.glob(f'again{i}.jsonl.*.pt'))}.releases"))
+        with pytest.raises(SystemExit) as e:
+            dptta.main(argv + again)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "the replay cannot be checked" in err, err
 
 
 def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_state(
@@ -3762,6 +3849,12 @@ def test_grid_fails_loudly_when_it_cannot_list_its_cells(tmp_path):
     # every cell checked as dptta.py checks it, before the first: not 66 failing cells
     checked = [((), dict(one_cell, EXTRA=f"{smoke} --seed 3"), "EXTRA sets --seed, which the grid"),
                ((), dict(one_cell, EXTRA=f"{smoke} --delta 1e-5"), "--delta applies to a dp_"),
+               # --dry-run prints no grid whose EXTRA the run would refuse
+               (("--dry-run",), dict(one_cell, EXTRA=f"{smoke} --seed 3"), "EXTRA sets --seed"),
+               (("--dry-run",), dict(one_cell, EXTRA="--bogus"), "unrecognized arguments: --bogus"),
+               # the tune stage's 2,970 cells reach the check (no "Argument list too long")
+               (("tune",), dict(SEEDS="0", IMAGENET_C=str(tmp_path / "missing"),
+                                TUNE_OUT=str(tmp_path / "t.jsonl")), "is not a folder"),
                ((), dict(one_cell, EXTRA=f"{smoke} --noise-seed 3"), "a grid's noise is secret"),
                ((), dict(one_cell, EXTRA=f"{smoke} --benchmark"), "EXTRA sets --benchmark, a tool"),
                # a flag a cell sets would be overridden: the record would not be the grid's
