@@ -2763,7 +2763,9 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     # shuffles' generator is its device's; so would another torch, GPU or CPU thread count,
     # whose sums round otherwise: the replay assumes the same arithmetic)
     run["device"] = args.device
-    where = f"{torch.get_num_threads()} threads of {cpu_model()}"
+    # (and the kernels it dispatches to: ATEN_CPU_CAPABILITY=default on one CPU rounds otherwise)
+    kernels = torch.backends.cpu.get_cpu_capability()
+    where = f"{torch.get_num_threads()} threads of {cpu_model()}, {kernels} kernels"
     if args.device == "cuda":
         where = torch.cuda.get_device_name()
     # (the image decoders and transforms too: another Pillow or torchvision, other pixels)
@@ -2774,12 +2776,11 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     run["weights"] = weights
     logged = {}  # a resumed run's: {noise block: digest} of the killed run's releases
     if resume is not None:
-        run = resumed(args, adapter, resume, key, state, mine, run)
-        logged = read_release_log(state)
+        run, logged = resumed(args, adapter, resume, key, state, mine, run)
     start = time.time() - run["wall"]
     status["run"], status["recorded"] = run, len(run["done"])
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
-        start_release_log(state)  # (before the state: no state is ever without its log)
+        start_release_log(state, run["run_id"])  # (before the state: never a state without it)
         save_state(state, run_state(run, adapter), first=True)
     if state and adapter.sigma > 0:
         adapter.on_release = partial(log_release, adapter, state, logged)
@@ -2835,32 +2836,45 @@ def remove_state(state):
             os.remove(path)
 
 
-def start_release_log(state):
-    """An empty release log beside a new run's state, created by this run alone (O_EXCL, 0600,
-    as the state; a planted file or link is removed first). A run stops where it fails."""
+def start_release_log(state, run_id):
+    """A new run's release log beside its state, created by this run alone (O_EXCL, 0600, as
+    the state; a planted file or link is removed first), its first line naming the run: a
+    fresh run that stops before its state replaces a killed run's leaves a log that is not
+    that state's. A run stops where it fails."""
     if state is None:
         return
     log = f"{state}.releases"
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(log)
+    remove_state(state)  # a killed run's, replaced: stopped before its own, nothing resumes
     try:
-        os.close(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        with os.fdopen(os.open(log, flags, 0o600), "w") as f:
+            f.write(f"run {run_id}\n")
     except OSError as e:
         fail(f"cannot create the run's release log {log} ({one_line(e)}); no image was read", 4)
 
 
-def read_release_log(state):
-    """A killed run's release log: {noise block: digest}. A line cut short by the kill is one
-    whose release was never used (log_release writes it first): left out."""
+def read_release_log(state, run_id):
+    """A killed run's release log, {noise block: digest}, refused unless it is its run's and
+    whole. Its last line may be cut short (a full disk): that release was never used
+    (log_release writes first), and the line is cut off the file, so that the next one
+    starts a line of its own."""
     log = f"{state}.releases"
     data = read_state(log)
     why = "missing, or not a file of this user's that only it reads"
     require(data is not None, f"{log} is {why}: the replay cannot be checked; {NEW_RUN}")
+    whole = data[: data.rfind(b"\n") + 1]  # (b"" if no line ends)
+    lines = whole.decode("ascii", "replace").split("\n")[:-1]
+    not_its = f"{log} is not the release log of {state}'s run: the replay cannot be checked"
+    require(lines[:1] == [f"run {run_id}"], f"{not_its}; {NEW_RUN}")
     logged = {}
-    for line in data.decode("ascii", "replace").splitlines(keepends=True):
-        block, _, digest = line.strip().partition(" ")
-        if line.endswith("\n") and block.isdigit() and len(digest) == 16:
-            logged[int(block)] = digest
+    for line in lines[1:]:  # "block digest", each block once
+        block, _, digest = line.partition(" ")
+        well_formed = re.fullmatch(r"\d+ [0-9a-f]{16}", line) is not None
+        require(well_formed and int(block) not in logged, f"{log} is damaged ({line!r}); {NEW_RUN}")
+        logged[int(block)] = digest
+    if len(whole) < len(data):
+        with open(log, "r+b", opener=no_link) as f:
+            f.truncate(len(whole))
     return logged
 
 
@@ -2876,12 +2890,12 @@ def log_release(adapter, state, logged, release):
     digest = digest.hexdigest()[:16]
     if block in logged:
         if digest != logged[block]:
-            changed = f"release {block + 1} of the replay is not the one {state}'s run made"
+            changed = f"the replay's release on noise block {block} is not the one {state}'s run"
             why = "the same noise on another sum would show the difference; stopped before using it"
-            fail(f"{changed} (other images or arithmetic): {why}; {NEW_RUN}")
+            fail(f"{changed} made (other images or arithmetic): {why}; {NEW_RUN}")
         return
-    try:
-        with open(log, "a", opener=no_link) as f:
+    try:  # (never created here: a log removed during the run stops it)
+        with os.fdopen(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "w") as f:
             f.write(f"{block} {digest}\n")
     except OSError as e:
         fail(f"cannot log a release in {log} ({one_line(e)}): stopped before using it", 4)
@@ -2905,8 +2919,8 @@ def run_state(run, adapter):
 
 
 def resumed(args, adapter, resume, key, state, mine, run):
-    """A killed run's bookkeeping, its adapter where it stood; the records the state holds
-    but the file lacks (a kill between the two) are written now, once."""
+    """A killed run's bookkeeping, its adapter where it stood, and its release log; the
+    records the state holds but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
     # (before the keyed stream "noise" was a torch generator's state; "data", "device",
     # "arithmetic" and "weights" came later)
@@ -2930,6 +2944,7 @@ def resumed(args, adapter, resume, key, state, mine, run):
             fail(
                 f"{name}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}"
             )
+    logged = read_release_log(state, resume["run_id"])  # (before anything is written)
     adapter.set_extra_state(resume.pop("adapter"))
     adapter.noise.set_state(resume.pop("noise"))
     written = [
@@ -2947,7 +2962,7 @@ def resumed(args, adapter, resume, key, state, mine, run):
             append_jsonl(args.out, record)
     done = ", ".join(resume["done"]) if resume["done"] else "none (its first stream again)"
     print(f"resumed run {resume['run_id']} after {done}")
-    return resume
+    return resume, logged
 
 
 def finish(args, run, streams, adapter, ledger, hp_note, start):
@@ -3111,8 +3126,12 @@ def summarize(path, per_corruption=False, error=False):
 
 
 def run_label(key):
-    """A run outside the tables, as a line names it: method, variant, C, lr, seed."""
-    return f"{key['method']} {variant_of(key)} C={key['clip']} lr={key['lr']} seed {key['seed']}"
+    """A run outside the tables, as a line names it: method, variant, C, lr, constants, setting,
+    order, batch, seed (two such runs differ in one of them)."""
+    hp = "".join(f" {name}={value}" for name, value in sorted(key.get("hp", {}).items()))
+    where = f"{key.get('setting')}, order {key.get('order')}, batch {key.get('batch_size')}"
+    run = f"{key['method']} {variant_of(key)} C={key['clip']} lr={key['lr']}{hp}"
+    return f"{run} {where} seed {key['seed']}"
 
 
 def print_table(k, cells, error, apart):
@@ -3448,7 +3467,8 @@ def audit_cli(args):
     for name, game in games.items():
         n, lb = game["trials"], game["eps_lb"]
         top = epsilon_lower_bound(np.ones(n), np.zeros(n), delta)
-        limited = f" (≥: limited by {n} trials, never confused)" if lb >= top - 1e-9 else ""
+        never_confused = top > 0 and lb >= top - 1e-9  # (at δ near 1, top and ε_lb are both 0)
+        limited = f" (≥: limited by {n} trials, never confused)" if never_confused else ""
         ratio = f", ε_lb/ε = {lb / eps:.2f}" if claim else ""
         print(
             f"{name:<10}: ε_lb = {lb:.3f} at 95% confidence{limited}{ratio}; {n} trials per world, {game['seconds']:.0f} s{notes[name]}"

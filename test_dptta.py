@@ -3387,7 +3387,8 @@ def test_a_resumed_replay_must_remake_each_logged_release_before_it_is_used(
     state = next(tmp_path.glob("r.jsonl.*.pt"))
     log = pathlib.Path(f"{state}.releases")
     lines = log.read_text().splitlines()
-    assert [int(line.split()[0]) for line in lines] == list(range(6)), lines
+    assert lines[0] == f"run {records(out)[0]['run_id']}", lines  # the log names its run
+    assert [int(line.split()[0]) for line in lines[1:]] == list(range(6)), lines
     assert log.stat().st_mode & 0o077 == 0
     real_grads = dptta.per_sample_grads
 
@@ -3400,25 +3401,81 @@ def test_a_resumed_replay_must_remake_each_logged_release_before_it_is_used(
     with pytest.raises(SystemExit) as e:
         dptta.main(argv + ["--out", str(out)])
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "release 5 of the replay is not the one" in err, err
+    assert e.value.code == 2 and "release on noise block 4 is not the one" in err, err
     assert len(err.splitlines()) == 1 and state.exists()
     assert [r["corruption"] for r in records(out)] == ["gaussian_noise"]  # shot_noise's: none
     monkeypatch.undo()
     assert dptta.main(argv + ["--out", str(out)]) == 0
     assert final_record(out)["drift"] == final_record(tmp_path / "whole.jsonl")["drift"]
     assert not state.exists() and not log.exists()
-    # a log removed, or one that others can write to, cannot check a replay: refused
-    for i, damage in enumerate((pathlib.Path.unlink, lambda path: path.chmod(0o666))):
+    # a log removed, or one that others can write to, cannot check a replay: refused; a fresh
+    # run over the killed state, stopped before its own state, leaves nothing to resume (it
+    # removed the killed run's state and log: never a state beside another run's log)
+    real_save = dptta.save_state
+
+    def fresh_run_stopped_before_its_state(log):
+        def save(path, state, first=False):
+            if first:
+                raise KeyboardInterrupt  # (a signal in torch.save, or a full disk)
+            real_save(path, state)
+
+        monkeypatch.setattr(dptta, "save_state", save)
+        fresh = [arg for arg in argv if arg != "--resume"]
+        assert dptta.main(fresh + ["--out", str(log).split(".jsonl")[0] + ".jsonl"]) == 130
+        monkeypatch.undo()
+
+    damages = ((pathlib.Path.unlink, "is missing"), (lambda path: path.chmod(0o666), "is missing"),
+               (fresh_run_stopped_before_its_state, "but not its state"))
+    for i, (damage, message) in enumerate(damages):
         calls.clear()
         again = ["--out", str(tmp_path / f"again{i}.jsonl")]
         monkeypatch.setattr(dptta, "log_release", killed_after_six)
         assert dptta.main(argv + again) == 130
         monkeypatch.undo()
         damage(pathlib.Path(f"{next(tmp_path.glob(f'again{i}.jsonl.*.pt'))}.releases"))
+        capsys.readouterr()
         with pytest.raises(SystemExit) as e:
             dptta.main(argv + again)
         err = capsys.readouterr().err
-        assert e.value.code == 2 and "the replay cannot be checked" in err, err
+        assert e.value.code == 2 and message in err and "both runs' releases count" in err, err
+    # a log removed during a run stops it before the release is used (never recreated empty)
+    calls.clear()
+
+    def log_removed_after_two(adapter, state, logged, release):
+        calls.append(1)
+        if len(calls) == 3:
+            os.remove(f"{state}.releases")
+        real_log(adapter, state, logged, release)
+
+    monkeypatch.setattr(dptta, "log_release", log_removed_after_two)
+    with pytest.raises(SystemExit) as e:
+        dptta.main(argv + ["--out", str(tmp_path / "removed.jsonl")])
+    assert e.value.code == 4 and "cannot log a release" in capsys.readouterr().err
+
+
+def test_a_release_log_cut_short_is_cut_to_its_last_whole_line_and_a_damaged_one_refused(
+        tmp_path, capsys):
+    """A full disk can cut the last line (its release was never used): it is left out and cut
+    off the file, so that the next line starts on its own (glued to the cut one, it would be
+    lost, or read as another block's). A damaged line before it is refused."""
+    state = tmp_path / "r.jsonl.x.pt"
+    log = pathlib.Path(f"{state}.releases")
+    whole = "run abc\n0 0123456789abcdef\n1 fedcba9876543210\n"
+    log.write_text(whole + "2 01234")
+    log.chmod(0o600)
+    assert dptta.read_release_log(str(state), "abc") == {0: "0123456789abcdef",
+                                                         1: "fedcba9876543210"}
+    assert log.read_text() == whole
+    for damaged, message in (("run abc\n0 0123\n1 fedcba9876543210\n", "is damaged ('0 0123')"),
+                             ("run abc\n0 0123456789abcdef\n0 0123456789abcdef\n", "damaged"),
+                             ("run abc\n0 0123456789abcdeZ\n", "is damaged"),
+                             ("run abc\r\n", "is not the release log of"),
+                             ("run other\n0 0123456789abcdef\n", "is not the release log of")):
+        log.write_text(damaged)
+        with pytest.raises(SystemExit) as e:
+            dptta.read_release_log(str(state), "abc")
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err, err
 
 
 def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_state(
@@ -3482,10 +3539,14 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     for part in (f"torch {torch.__version__}", f"numpy {np.__version__}", f"timm {timm.__version__}",
                  f"torchvision {torchvision.__version__}", f"Pillow {PIL.__version__}", threads):
         assert part in arithmetic, part
+    kernels = f", {torch.backends.cpu.get_cpu_capability()} kernels"  # (ATEN_CPU_CAPABILITY)
+    assert kernels in arithmetic, arithmetic
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         cpus = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        assert not cpus or arithmetic.endswith(threads + cpus[0]), arithmetic
+        assert not cpus or arithmetic.endswith(threads + cpus[0] + kernels), arithmetic
+    other_kernels = ", DEFAULT kernels" if "AVX" in kernels else ", AVX2 kernels"
     for other in (arithmetic.replace(threads, f"{torch.get_num_threads() + 1} threads of "),
+                  arithmetic.replace(kernels, other_kernels),
                   arithmetic.replace(f"Pillow {PIL.__version__}", "Pillow 1.0"),
                   arithmetic.replace(threads, threads + "another ")):
         elsewhere = torch.load(io.BytesIO(good), weights_only=False)
@@ -4229,6 +4290,7 @@ def test_summarize_groups_seeds_of_one_cell_only(tmp_path, capsys):
             fake_run("dp_tent", 0, 50.0, eps=5.0, clip=1.0),
             fake_run("tent", 0, 10.0, checkpoint="b.pth"),   # other weights: another table
             fake_run("tent", 0, 1.0, smoke=True), fake_run("tent", 3, 2.0, limit=100)]
+    runs[-1]["key"].update(hp={"e_margin": 0.5}, order="class")  # said apart from the others
     partial = {"mode": "corruption", "run_id": "p", "key": fake_run("sar", 0, 0)["key"],
                "corruption": "gaussian_noise", "accuracy": 40.0}
     path = tmp_path / "r.jsonl"
@@ -4240,6 +4302,8 @@ def test_summarize_groups_seeds_of_one_cell_only(tmp_path, capsys):
     assert "50.0 (n=1)" in out and "10.0 (n=1)" in out and out.count("| mean top-1 %") == 2
     assert "1 record(s) repeat the seed" in out
     assert "smoke" in out.split("not in the tables")[1] and "limit 100" in out
+    label = "tent non-private C=None lr=0.001 e_margin=0.5 continual, order class, batch 64 seed 3"
+    assert label in out, out
     assert "unfinished runs" in out and "1/1 corruptions: gaussian_noise 40.0" in out
     assert dptta.main(["--summarize", str(path), "--error", "--per-corruption"]) == 0
     out = capsys.readouterr().out
@@ -4318,7 +4382,8 @@ def test_summarize_tells_every_table_and_line_apart(tmp_path, capsys):
     assert len(headers) == 2 and len(set(headers)) == 2 and 'dtype="fp32"' in "".join(headers)
     assert "  tent clip=0.5 ε=5: gaussian_noise 50.0 (n=1)" in out
     assert "  tent clip=2.0 ε=5: gaussian_noise 51.0 (n=1)" in out
-    assert "dp_tent ε=5 C=0.5 lr=0.001 seed 1: 2/2 corruptions" in out
+    unfinished_label = "dp_tent ε=5 C=0.5 lr=0.001 continual, order None, batch 64 seed 1"
+    assert f"{unfinished_label}: 2/2 corruptions" in out
 
 
 def test_summarize_puts_a_methods_variants_on_one_row_of_one_table(tmp_path, capsys):
@@ -4479,6 +4544,10 @@ def test_the_audit_shows_an_original_leaks_and_makes_no_claim(tmp_path):
     assert "NOT PRIVATE" in r.stdout and "limited by 500 trials" in r.stdout
     rec = json.loads(out.read_text())
     assert rec["private"] is False and rec["games"]["end-to-end"]["eps_lb"] > 1
+    # at δ near 1 every bound is 0: no "limited by the trials" for a game that was confused
+    r = run_main("--audit", "--method", "dp_tent", "--eps", 5, "--delta", 0.999, "--trials", 100,
+                 "--e2e-trials", 100, "--out", out)
+    assert r.returncode == 0 and "ε_lb = 0.000" in r.stdout and "limited" not in r.stdout, r.stdout
 
 
 # ============================================================================
