@@ -2838,13 +2838,14 @@ def remove_state(state):
 
 def start_release_log(state, run_id):
     """A new run's release log beside its state, created by this run alone (O_EXCL, 0600, as
-    the state; a planted file or link is removed first), its first line naming the run: a
-    fresh run that stops before its state replaces a killed run's leaves a log that is not
-    that state's. A run stops where it fails."""
+    the state; a planted file or link is removed first), its first line naming the run. A
+    killed run's state and log, which this run replaces, are removed first: stopped before
+    its own state is saved, it leaves nothing to resume (never a state beside another run's
+    log). A run stops where it fails."""
     if state is None:
         return
     log = f"{state}.releases"
-    remove_state(state)  # a killed run's, replaced: stopped before its own, nothing resumes
+    remove_state(state)
     try:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         with os.fdopen(os.open(log, flags, 0o600), "w") as f:
