@@ -1873,8 +1873,9 @@ def parse_args(argv=None):
     return args
 
 
-# the flags only one tool reads (their defaults are argparse's): refused anywhere else
-TOOL_FLAGS = dict(benchmark="rounds", audit="trials e2e_trials", summarize="per_corruption error")
+# the flags only one tool reads (their defaults are argparse's), and that tool: refused in a run
+TOOL_FLAGS = dict(rounds="benchmark", trials="audit", e2e_trials="audit", error="summarize")
+TOOL_FLAGS.update(per_corruption="summarize")
 
 
 # the flags each tool reads, besides the machine's (--device, --workers); any other flag given
@@ -1888,14 +1889,13 @@ MODE_FLAGS = dict(
 
 def check_common(args, mode=None):
     """What every mode reads: no other mode's flag, the device and dtype (decided once)."""
-    if mode is not None:
-        unread = set(args.given) - set(MODE_FLAGS[mode].split()) - {"device", "workers"}
-        for flag in sorted(unread):
+    given = set(args.given)
+    if mode is None:
+        for flag in sorted(given & set(TOOL_FLAGS)):
+            fail(f"--{flag.replace('_', '-')} is for --{TOOL_FLAGS[flag]} only")
+    else:  # (another tool's flag among them)
+        for flag in sorted(given - set(MODE_FLAGS[mode].split()) - {"device", "workers"}):
             fail(f"--{flag.replace('_', '-')} does not apply to --{mode}")
-    for tool, flags in TOOL_FLAGS.items():
-        for flag in flags.split():
-            shown = f"--{flag.replace('_', '-')}"
-            require(flag not in args.given or mode == tool, f"{shown} is for --{tool} only")
     if args.model is not None:
         check_model(args.model)
     require(args.device != "cuda" or torch.cuda.is_available(), "--device cuda: no CUDA device")
@@ -2200,20 +2200,28 @@ def append_jsonl(path, record):
         fail(f"cannot write {path} ({e.strerror}); the record is above", 4)
 
 
+def create_private(path, mode):
+    """A new file that this run alone created and only its owner reads (0600), open in `mode`.
+    A file planted at `path` in a shared folder (its own mode, or a link) is removed, never
+    written through: O_EXCL creates the file this run owns, or fails."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    return os.fdopen(os.open(path, flags, 0o600), mode)
+
+
 def save_state(path, state, first=False):
     """torch.save to a file only its owner reads (it holds the noise stream's key: as secret as
-    the data), then a rename: a kill leaves the old state or the new one, never the .tmp.
+    the data), synced to disk, then a rename: a kill or a power cut leaves the old state or the
+    new one, never the .tmp, and never records on disk that their state is not.
     The first save, before any image, stops the run if it fails; a later one warns."""
     if path is None:  # --out /dev/null: nothing to resume
         return
     try:
-        # a .tmp planted in a shared folder (its own mode, or a link) is removed, never written
-        # through: O_EXCL creates the file this run owns, mode 0600, or fails
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path + ".tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        with os.fdopen(os.open(path + ".tmp", flags, 0o600), "wb") as f:
+        with create_private(path + ".tmp", "wb") as f:
             torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename, and before the records it precedes
         os.replace(path + ".tmp", path)
     except (OSError, RuntimeError) as e:  # torch.save's full disk is a RuntimeError
         if first:
@@ -2532,24 +2540,26 @@ def adapt_resumably(args, key, hp_note, state):
     mine = []  # this run's records already in --out
     if state and os.path.exists(args.out):
         mine = [r for _, r in read_jsonl(args.out, "--out") if r.get("key") == key]
-    if args.resume and any(r.get("mode") == "adapt" for r in mine):
+    finished = any(r.get("mode") == "adapt" for r in mine)  # its final record is in --out
+    killed = state is not None and os.path.exists(state)  # a killed run's state is left
+    if args.resume and finished:
         print(f"already in {args.out}: {args.method} eps={args.eps} seed={args.seed}; skipped")
         remove_state(state)  # a kill between the run's record and the state's removal
         return 0
-    if any(r.get("mode") == "adapt" for r in mine):  # (the user's choice: said)
+    if finished:  # (the user's choice: said)
         warn(
             f"{args.out} holds this run already: this one releases its images again, and both "
             "runs' releases count (--resume would skip it)"
         )
-    resume = None
-    if not args.resume and state and os.path.exists(state):  # (the user's choice: said)
+    if killed and not args.resume:  # (the user's choice: said)
         warn(
             f"{state}: a killed run of this cell, replaced: this run starts afresh, and its "
             "releases and the killed run's both count (--resume would go on)"
         )
-    if args.resume and state and not os.path.exists(state):
+    if args.resume and state and not killed:
         refuse_a_moved_run(args, key, state)
-    if args.resume and state and os.path.exists(state):
+    resume = None
+    if args.resume and killed:
         resume = read_state(state)
         require(resume is not None, f"{state} is not a file of this user's that only it reads")
         try:  # a killed run's state (weights_only: tensors and plain data, no code)
@@ -2557,13 +2567,11 @@ def adapt_resumably(args, key, hp_note, state):
             if not (isinstance(resume, dict) and {"key", "run_id", "records"} <= set(resume)):
                 raise ValueError("not a run's state")
         except Exception as e:
-            fail(
-                f"{state} is damaged ({one_line(e)}): its run cannot go on, and starting it afresh would release its images again; remove it and {NEW_RUN}"
-            )
+            again = "starting it afresh would release its images again; remove it and"
+            fail(f"{state} is damaged ({one_line(e)}): its run cannot go on, and {again} {NEW_RUN}")
     elif args.resume and any(r.get("mode") == "corruption" for r in mine):
-        fail(
-            f"--resume: {args.out} holds corruption records of this run but not its state ({state}): it cannot go on without releasing their images again; {NEW_RUN}"
-        )
+        lacks = f"{args.out} holds corruption records of this run but not its state ({state})"
+        fail(f"--resume: {lacks}: it cannot go on without releasing their images again; {NEW_RUN}")
     status = {}  # the run's bookkeeping, "run", as it goes (adapt_and_record)
     try:
         with contextlib.ExitStack() as cleanup:  # the smoke run's tree goes on every exit path
@@ -2715,6 +2723,42 @@ def make_adapter(args, model, config):
     return adapter
 
 
+def fisher_of(args, model, adapter, fisher_loader):
+    """EATA's Fisher information on --fisher-data's readable images (an unreadable one's gray
+    placeholder is no image); one line and exit 2 where none is readable."""
+    clean_images = len(fisher_loader.dataset)
+    print(f"EATA's Fisher information on {clean_images} clean images ...", flush=True)
+    unreadable = []
+
+    def clean():
+        for x, y, bad in progress(fisher_loader, "Fisher"):
+            unreadable.extend(bad)
+            if x is not None and (y >= 0).any():
+                yield x[y >= 0].to(args.device)
+
+    with autocast(args):
+        fisher = fisher_information(model, adapter.params, clean(), clean_images)
+    require(len(unreadable) < clean_images, "--fisher-data: none of its images is readable")
+    if unreadable:
+        skipped = f"{len(unreadable)} unreadable image(s) skipped ({unreadable[0]}, ...)"
+        warn(f"--fisher-data: {skipped}")
+    return fisher
+
+
+def arithmetic(device):
+    """What a replay's sums rest on besides the device: the versions (another torch rounds
+    otherwise; another Pillow or torchvision decodes other pixels), and on a CPU its thread
+    count, model and the kernels it dispatches to (ATEN_CPU_CAPABILITY=default rounds
+    otherwise), on a GPU its name."""
+    kernels = torch.backends.cpu.get_cpu_capability()
+    where = f"{torch.get_num_threads()} threads of {cpu_model()}, {kernels} kernels"
+    if device == "cuda":
+        where = torch.cuda.get_device_name()
+    versions = f"torch {torch.__version__}, numpy {np.__version__}, timm {timm.__version__}"
+    versions += f", torchvision {torchvision.__version__}, Pillow {PIL.__version__}"
+    return f"{versions}, {where}"
+
+
 DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}  # a progress line's drift
 
 
@@ -2725,22 +2769,7 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     adapter = make_adapter(args, model, config)
     mixed = args.setting == "mixed"
     if fisher_loader is not None:
-        clean_images = len(fisher_loader.dataset)
-        print(f"EATA's Fisher information on {clean_images} clean images ...", flush=True)
-        unreadable = []
-
-        def clean():  # the readable images: an unreadable one's gray placeholder is no image
-            for x, y, bad in progress(fisher_loader, "Fisher"):
-                unreadable.extend(bad)
-                if x is not None and (y >= 0).any():
-                    yield x[y >= 0].to(args.device)
-
-        with autocast(args):
-            adapter.hp["fisher"] = fisher_information(model, adapter.params, clean(), clean_images)
-        require(len(unreadable) < clean_images, "--fisher-data: none of its images is readable")
-        if unreadable:
-            skipped = f"{len(unreadable)} unreadable image(s) skipped ({unreadable[0]}, ...)"
-            warn(f"--fisher-data: {skipped}")
+        adapter.hp["fisher"] = fisher_of(args, model, adapter, fisher_loader)
     elif "fisher" in adapter.hp:
         warn(f"{args.method} without --fisher-data: no anti-forgetting penalty")
     ledger = privacy_ledger(adapter, len(streams), args.repeat, args.privacy_unit, mixed)
@@ -2762,16 +2791,7 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
     # (on another device the replay would compute other releases under the same noise, and the
     # shuffles' generator is its device's; so would another torch, GPU or CPU thread count,
     # whose sums round otherwise: the replay assumes the same arithmetic)
-    run["device"] = args.device
-    # (and the kernels it dispatches to: ATEN_CPU_CAPABILITY=default on one CPU rounds otherwise)
-    kernels = torch.backends.cpu.get_cpu_capability()
-    where = f"{torch.get_num_threads()} threads of {cpu_model()}, {kernels} kernels"
-    if args.device == "cuda":
-        where = torch.cuda.get_device_name()
-    # (the image decoders and transforms too: another Pillow or torchvision, other pixels)
-    versions = f"torch {torch.__version__}, numpy {np.__version__}, timm {timm.__version__}"
-    versions += f", torchvision {torchvision.__version__}, Pillow {PIL.__version__}"
-    run["arithmetic"] = f"{versions}, {where}"
+    run["device"], run["arithmetic"] = args.device, arithmetic(args.device)
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
     run["weights"] = weights
     logged = {}  # a resumed run's: {noise block: digest} of the killed run's releases
@@ -2837,8 +2857,8 @@ def remove_state(state):
 
 
 def start_release_log(state, run_id):
-    """A new run's release log beside its state, created by this run alone (O_EXCL, 0600, as
-    the state; a planted file or link is removed first), its first line naming the run. A
+    """A new run's release log beside its state, created by this run alone (create_private, as
+    the state), its first line naming the run. A
     killed run's state and log, which this run replaces, are removed first: stopped before
     its own state is saved, it leaves nothing to resume (never a state beside another run's
     log). A run stops where it fails."""
@@ -2847,8 +2867,7 @@ def start_release_log(state, run_id):
     log = f"{state}.releases"
     remove_state(state)
     try:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-        with os.fdopen(os.open(log, flags, 0o600), "w") as f:
+        with create_private(log, "w") as f:
             f.write(f"run {run_id}\n")
     except OSError as e:
         fail(f"cannot create the run's release log {log} ({one_line(e)}); no image was read", 4)
@@ -2881,7 +2900,7 @@ def read_release_log(state, run_id):
 
 def log_release(adapter, state, logged, release):
     """adapter.on_release in a run: the release's digest, by the noise block it drew, appended
-    to the log before the release is used. A resumed run draws the killed run's blocks again,
+    to the log and synced to disk before the release is used. A resumed run draws the killed run's blocks again,
     and each of its releases must then be the one logged: the same noise on another sum
     (other images, other arithmetic, a GPU's nondeterministic kernels) would show the two
     sums' difference, noise-free."""
@@ -2898,6 +2917,8 @@ def log_release(adapter, state, logged, release):
     try:  # (never created here: a log removed during the run stops it)
         with os.fdopen(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "w") as f:
             f.write(f"{block} {digest}\n")
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the release is used: a power cut keeps it too
     except OSError as e:
         fail(f"cannot log a release in {log} ({one_line(e)}): stopped before using it", 4)
 

@@ -22,6 +22,7 @@ import threading
 import time
 import warnings
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import PIL
@@ -3476,6 +3477,33 @@ def test_a_release_log_cut_short_is_cut_to_its_last_whole_line_and_a_damaged_one
             dptta.read_release_log(str(state), "abc")
         err = capsys.readouterr().err
         assert e.value.code == 2 and message in err, err
+
+
+def test_a_release_and_a_state_are_on_disk_before_they_are_used(tmp_path, monkeypatch):
+    """A power cut loses what the page cache held: a release used but not logged would be
+    replayed unchecked, and records on disk ahead of their state would be streamed again. So
+    a release's line is synced before log_release returns (before the release is used), and
+    a state before its rename (before the records that follow it are written)."""
+    state = tmp_path / "r.jsonl.x.pt"
+    log = pathlib.Path(f"{state}.releases")
+    dptta.start_release_log(str(state), "abc")
+    synced, renamed = [], []
+
+    def fsync(fd):  # what is in the file when it is synced
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        synced.append(log.read_text())
+
+    monkeypatch.setattr(dptta.os, "fsync", fsync)
+    adapter = SimpleNamespace(noise=SimpleNamespace(blocks=1))
+    dptta.log_release(adapter, str(state), {}, {"w": torch.ones(3)})
+    assert synced[0] == str(log) and synced[1].startswith("run abc\n0 ")
+    real_replace = os.replace
+    monkeypatch.setattr(dptta.os, "replace", lambda a, b: (renamed.append(list(synced)),
+                                                           real_replace(a, b)))
+    synced.clear()
+    dptta.save_state(str(state), {"key": 1}, first=True)
+    assert synced[:1] == [f"{state}.tmp"] and renamed == [synced[:2]]
+    assert torch.load(state, weights_only=True) == {"key": 1}
 
 
 def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_state(
