@@ -57,7 +57,10 @@ def need(ok, problem):
 
 
 # ----------------------------------------------------------------------------
-# Privacy accounting: one pass over the stream is μ-GDP with μ = 2/σ
+# Privacy accounting: one pass over the stream is μ-GDP with μ = 2/σ, so that
+#   δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ).
+# gdp_delta is that formula; _log_gdp_delta evaluates it in logs, where no Φ underflows;
+# calibrate_sigma and gdp_epsilon invert it for σ and for ε.
 EPS_MAX = 1e6  # there σ ≈ 1.4e-3 (δ = 1e-6); beyond, the root finder below loses its footing
 
 
@@ -198,10 +201,11 @@ def _trunk_cut(model):
 def adaptable_params(model, *, skip_top=False, per_sample=True):
     """{name: parameter} of the norm layers' affine parameters, in the model's order.
 
-    skip_top: only those below the trunk's top (SAR, DeYO; see _trunk_cut). per_sample: for
-    per-sample gradients (DP and clip-only runs), so a model with BatchNorm is refused: in
-    train mode it mixes the samples (bn="source" freezes it instead). A tensor tied to two
-    modules (one tensor, two names) is adapted once, under its first name."""
+    skip_top: only those below the trunk's top (SAR, DeYO; see _trunk_cut). per_sample: refuse a
+    model with BatchNorm, as per-sample gradients in batch-statistics mode need (in train mode it
+    mixes the samples); DPTTA passes False where bn="source" freezes it at its source statistics, a
+    per-sample map. A tensor tied to two modules (one tensor, two names) is adapted once, under its
+    first name."""
     bn = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]  # (the model: "")
     why = f"BatchNorm {bn} mixes the samples of a batch: no per-sample gradients (dp_, clip)"
     need(not (per_sample and bn), why + '; bn="source" freezes it at its source statistics')
@@ -263,16 +267,15 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     (DeYO's softmax of the shuffled x′_i). DPTTA passes its method's loss with the constants
     bound (DPTTA.loss: a Method's loss takes (logits, ctx, hp)).
 
-    The trick. The textbook way, vmap(grad(ℓ)) over the batch, runs autograd *inside*
-    vmap, and the backward of GPU's fused attention kernels (flash, efficient, cuDNN) has no
-    batching rule: ViT-B/16 at batch 64 would call it 64 × 12 times per step, one image at a
-    time. Instead every sample gets its own view θ_i of the parameters ([B, *shape], an
-    expand: nothing is copied), the forward runs under vmap over (θ_i, x_i), and ONE
-    ordinary backward of Σ_i ℓ_i gives every g_i at once: ℓ_i is the only term that touches
-    θ_i, so ∂(Σ_j ℓ_j)/∂θ_i = ∇ℓ_i exactly. Autograd then runs each backward kernel once on
-    the whole batch. The batch goes through in one piece on a GPU and in chunks of 8 on a
-    CPU, where they stay in cache (ViT-S/16, batch 32: 1.01x Tent's step, the README's Speed
-    table; the whole batch in one piece, 1.42x).
+    The trick. The textbook way, vmap(grad(ℓ)) over the batch, runs autograd *inside* vmap, and the
+    backward of GPU's fused attention kernels (flash, efficient, cuDNN) has no batching rule:
+    ViT-B/16 at batch 64 would call it 64 × 12 times per step, one image at a time. Instead every
+    sample gets its own view θ_i of the parameters ([B, *shape], an expand: nothing is copied), the
+    forward runs under vmap over (θ_i, x_i), and ONE ordinary backward of Σ_i ℓ_i (one per chunk,
+    below) gives every g_i at once: ℓ_i is the only term that touches θ_i, so ∂(Σ_j ℓ_j)/∂θ_i = ∇ℓ_i
+    exactly. Autograd then runs each backward kernel once on the whole batch. The batch goes through
+    in one piece on a GPU and in chunks of 8 on a CPU, where they stay in cache (ViT-S/16, batch 32:
+    1.01x Tent's step, the README's Speed table; the whole batch in one piece, 1.42x).
 
     A sample's gradient must not depend on the others: a BatchNorm that normalizes with the
     batch is refused. Ops without a batching rule are swapped for exact equivalents during
@@ -343,8 +346,9 @@ class NoiseStream:
         self.blocks, self.pid, self.lock = 0, os.getpid(), threading.Lock()
 
     def normal(self, n, device="cpu", dtype=torch.float32):
-        """The next block: n draws of N(0, 1), by Box-Muller in float64 on uniforms u1 of 106
-        bits (u1 >= 2^-107, so that the radius reaches NOISE_RADIUS) and u2 of 53 bits."""
+        """The next block: n draws of N(0, 1), by Box-Muller in float64 on uniforms u1, made of
+        106 random bits (resolution 2^-106 near 0, where the radius is large: u1 >= 2^-107,
+        so that the radius reaches NOISE_RADIUS), and u2 of 53 bits."""
         if os.getpid() != self.pid:
             forked = "a NoiseStream in a forked process would draw its parent's noise"
             raise RuntimeError(forked + ": build the adapter, or copy.deepcopy it, in the child")
@@ -380,13 +384,13 @@ NOISE_RADIUS = math.sqrt(-2 * math.log(2.0**-107))  # 12.18
 
 
 def check_noise_reach(sigma, delta, releases):
-    """The accountant assumes Gaussian noise without end; the sampler's ends. Each Box-Muller
-    pair of coordinates has radius at most R = NOISE_RADIUS (in units of σC). A neighbour's
-    release is the same sum moved by 2C, μ = 2/σ in those units. Where this release's noise
-    lies beyond R − μ of the neighbour's (a Rayleigh tail: chance exp(−(R − μ)²/2) per
-    release), the neighbour's noise cannot reach it, and the two are told apart with
-    certainty. Refused unless that chance, summed over an image's releases, is at most
-    δ/1000 (at δ = 1e-6: ε up to about 43)."""
+    """The accountant assumes Gaussian noise without end; the sampler's ends. Each Box-Muller pair
+    of coordinates has radius at most R = NOISE_RADIUS (in units of σC). A neighbour's release is
+    the same sum moved by 2C, μ = 2/σ in those units. If a pair of this world's noise has radius
+    above R − μ (a Rayleigh tail: chance exp(−(R − μ)²/2) per release), the neighbour would need a
+    radius above R to produce the same release, which the sampler never draws: the two worlds are
+    told apart with certainty. Refused unless that chance, summed over an image's releases, is at
+    most δ/1000 (at δ = 1e-6: ε up to about 43)."""
     if sigma == 0:
         return
     mu = 2 / sigma
@@ -413,27 +417,13 @@ def at_least_fp32(t):
 def clip_and_noise(grads, clip, sigma, noise_stream, tally=None):
     """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, over {name: [B, ...]} per-sample tensors.
 
-    One norm ‖g_i‖ over all tensors (sample i is clipped as a whole), so replacing one sample
-    moves the sum by at most 2C: the noise is calibrated to the sum, then divided by B (noise
-    added after dividing would be B times too small). Fresh noise, N(0, σ²C²) but for the
-    lattice's 0.1% (below), for every coordinate of every tensor, from noise_stream (a
-    NoiseStream). A non-finite g_i counts as zero, a decision that reads sample i alone and
-    keeps the sensitivity at 2C; tally["nonfinite"] counts them.
+    One norm ‖g_i‖ over all tensors (sample i is clipped as a whole), so replacing one sample moves
+    the sum by at most 2C: the noise is calibrated to the sum, then divided by B (noise added after
+    dividing would be B times too small). Fresh noise, N(0, σ²C²) but for the lattice's 0.1% (the
+    comment on the noise, below), for every coordinate of every tensor, from noise_stream (a
+    NoiseStream). A non-finite g_i counts as zero, a decision that reads sample i alone and keeps
+    the sensitivity at 2C; tally["nonfinite"] counts them.
 
-    Floating point. Float noise takes float values only, and t + z rounds on a grid that
-    depends on t: an adversary who computes the sum t of each candidate world can find a
-    coordinate of the release that the sampler could not have produced in one of them, and
-    name the image with certainty (Mironov 2012). So the sum S is computed in float64 (its
-    rounding, about B²·2^-53 of C, is far below γ) and rounded to S_γ, a multiple of γ, and so
-    is the noise: the release S_γ + round_γ(Z) = round_γ(S_γ + Z), Z ~ N(0, (1 + η)²σ²C²I),
-    is the Gaussian mechanism on S_γ rounded (post-processing), on the same lattice in every
-    world, computed exactly (integers below 2^53 times a power of two). Replacing one sample
-    moves S_γ by at most 2C + γ·√d <= 2C(1 + η), and the noise's 1 + η keeps μ = 2/σ. A zero
-    is +0.0 (round() gives −0.0 for (−½, 0), and −0.0 + −0.0 keeps its sign: it would show
-    that S_γ rounded from below). What remains unaccounted is the float64 sampler against
-    the ideal Gaussian within a lattice cell: its error, about 21·2^-53 in z, against a cell
-    γ ≈ 2^-9·C/√d (ViT-B/16's d = 38,000 at ε = 5: 2^-18σC) changes each cell's chance by
-    about 2^-30 relative, at most about 1e-4 in ε over all coordinates (4e-4 at ε = 1).
     Δ is returned in the gradients' dtype (at least fp32), itself post-processing."""
     dtypes = {n: at_least_fp32(t).dtype for n, t in grads.items()}
     g = {n: t.double() for n, t in grads.items()}
@@ -447,6 +437,20 @@ def clip_and_noise(grads, clip, sigma, noise_stream, tally=None):
         shape = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector, broadcast over t
         # a non-finite g_i is selected away, not scaled by 0: NaN·0 is NaN
         totals[name] = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
+    # Floating point. Float noise takes float values only, and t + z rounds on a grid that
+    # depends on t: an adversary who computes the sum t of each candidate world can find a
+    # coordinate of the release that the sampler could not have produced in one of them, and name
+    # the image with certainty (Mironov 2012). So the sum S is computed in float64 (its rounding,
+    # about B²·2^-53 of C, is far below γ) and rounded to S_γ, a multiple of γ, and so is the
+    # noise: the release S_γ + round_γ(Z) = round_γ(S_γ + Z), Z ~ N(0, (1 + η)²σ²C²I), is the
+    # Gaussian mechanism on S_γ rounded (post-processing), on the same lattice in every world,
+    # computed exactly (integers below 2^53 times a power of two). Replacing one sample moves S_γ
+    # by at most 2C + γ·√d <= 2C(1 + η), and the noise's 1 + η keeps μ = 2/σ. A zero is +0.0
+    # (round() gives −0.0 for (−½, 0), and −0.0 + −0.0 keeps its sign: it would show that S_γ
+    # rounded from below). What remains unaccounted is the float64 sampler against the ideal
+    # Gaussian within a lattice cell: its error, about 21·2^-53 in z, against a cell γ ≈
+    # 2^-9·C/√d (ViT-B/16's d = 38,000 at ε = 5: 2^-18σC) changes each cell's chance by about
+    # 2^-30 relative, at most about 1e-4 in ε over all coordinates (4e-4 at ε = 1).
     if sigma > 0:  # one block of the stream for the whole release (one copy to a GPU)
         need(FP32_TINY <= clip <= FP32_MAX, f"clip must be in fp32's normal range, got {clip}")
         sizes = [t.numel() for t in totals.values()]
@@ -517,7 +521,8 @@ class Method:
     """A test-time adaptation method, as data; DPTTA runs any such record.
 
     name      the method's name in records and tables
-    loss      ℓ_i(logits [N, K], ctx, hp) -> [N]: each sample's own loss, clipped per sample
+    loss      ℓ_i(logits [N, K], ctx, hp) -> [N]: each sample's own loss, whose gradient is
+              clipped per sample
     filter    the original's data-dependent filter, a pure function
               (logits, ctx, state, hp) -> (keep [N] bool, new state); the step stores the state
     context   (model, x, generator, hp) -> ctx: ℓ_i's input besides the logits (DeYO's x′).
@@ -644,7 +649,9 @@ def fisher_penalty(theta, theta0, hp):
 
 
 def fisher_information(model, params, images, n=2000):
-    """EATA's F on n clean images: over batches, the mean of (∇θ CE(f(x), argmax f(x)))²."""
+    """EATA's F on n clean images, as EATA's code computes it: the mean over batches of the
+    squared gradient of the batch's mean CE(f(x), argmax f(x)) (a batch's gradient squared,
+    not each sample's). The DPTTA of dp_eata or eata takes it as its constant fisher."""
     p = {k: t.detach().requires_grad_() for k, t in params.items()}
     fisher, batches, seen = {k: torch.zeros_like(t) for k, t in p.items()}, 0, 0
     for x in images:
@@ -730,7 +737,8 @@ def method_of(method):
 
 class DPTTA(nn.Module):
     """A test-time adapter: forward(x) returns x's logits, predicted with the current θ, then
-    adapts θ on x (DPNorm: releases the batch's statistics, then predicts with them).
+    adapts θ on x (with accumulate=k, once k batches have come; DPNorm: releases the batch's
+    statistics, then predicts with them).
 
     method     a Method record, or its name: "source", an original ("tent", "come", "eata",
                "sar", "deyo", "deyo_come"), its DP variant "dp_<name>"; "norm" and "dp_norm"
@@ -747,8 +755,11 @@ class DPTTA(nn.Module):
     seed       DeYO's patch shuffles. The noise is secret, from OS entropy, unless noise_seed
                is given: an exact replay, NOT private against anyone who knows it
     chunk_size samples per vmapped chunk (default: the batch on a GPU, 8 on a CPU)
-    constants  the method's constants that differ from its defaults (EATA's fisher,
-               e_margin, ...); a constant that another method reads is accepted and ignored
+    constants  the method's constants that differ from its defaults (EATA's fisher, made by
+               fisher_information(model, adaptable_params(model), clean_batches); e_margin,
+               ...); a constant that another method reads is accepted and ignored
+    sigma      (an attribute) the noise per release: σ(ε, δ) for DPTTA, σ_l = √L·σ for each of
+               DPNorm's L releases an image (its ε: gdp_epsilon(sigma=sigma/√releases))
 
     reset() goes back to the source (θ, optimizer, method state; never the noise); flush()
     steps on a pending accumulate window. replay, a dict, makes each batch's per-sample pass
@@ -756,7 +767,9 @@ class DPTTA(nn.Module):
     function, sees every release before anything uses it (the runner's seam: a resumed run
     checks that its replay remakes the releases of the run it resumes)."""
 
-    bn_src = {}  # {layer: (μ_src, σ²_src)} with private statistics: DPNorm's; none here
+    # {layer: (μ_src, σ²_src)} of the layers whose statistics are released: dp_norm's (set in
+    # DPNorm.__init__; empty here and in norm), which reset() and the runner read
+    bn_src = {}
 
     def __new__(cls, model=None, method="source", **kwargs):
         if cls is DPTTA and method_of(method).step == "norm":
@@ -964,21 +977,22 @@ class DPTTA(nn.Module):
         return release
 
     def _plain_gradient(self, theta, x, ctx, keep):
-        logits = z = logits_of(functional_call(self.model, theta, (x,)))
+        """The originals' gradient, ∇ mean_kept ℓ_i, by one batched backward."""
+        logits = loss_logits = logits_of(functional_call(self.model, theta, (x,)))
         keep, state = self._filter(logits, ctx, keep)
         # a non-finite sample poisons a batched backward (0·NaN = NaN): it is dropped and
         # counted, and the rest of the batch is forwarded again without it
         finite = torch.isfinite(logits).all(-1)
-        use = finite if keep is None else keep & finite  # the samples the loss averages
+        averaged = finite if keep is None else keep & finite  # the rows the loss averages
         if not finite.all():
             self.tally["nonfinite"] = self.tally.get("nonfinite", 0) + (~finite).sum()
-            keep = use
-            if use.any():
-                z = logits_of(functional_call(self.model, theta, (x[finite],)))
-                use, ctx = use[finite], None if ctx is None else ctx[finite]
+            keep = averaged  # (rows of x, as logits)
+            if averaged.any():  # from here, the loss's rows are those of x[finite]
+                loss_logits = logits_of(functional_call(self.model, theta, (x[finite],)))
+                averaged, ctx = averaged[finite], None if ctx is None else ctx[finite]
         if keep is not None and not keep.any():
             return logits, None, keep, state
-        g = torch.autograd.grad(self.loss(z, ctx)[use].mean(), list(theta.values()))
+        g = torch.autograd.grad(self.loss(loss_logits, ctx)[averaged].mean(), list(theta.values()))
         return logits, {n: at_least_fp32(t) for n, t in zip(theta, g)}, keep, state
 
     def _filter(self, logits, ctx, keep):
@@ -1157,8 +1171,8 @@ def value_and_noise(average):
 
 
 def averaged(averages, s, noise):
-    """(long, short) running averages with a new release s. When the short average strays
-    from the long one by more than SHIFT times the noise they carry, the stream has shifted
+    """(long, short) running averages with a new release s. When the mean squared gap between
+    them exceeds SHIFT times the sum of their noise variances, the stream has shifted
     (a new corruption): the long one restarts from the short one."""
     empty = (0 * s, 0.0, 0.0)
     long, short = (empty, empty) if averages is None else averages
@@ -1196,10 +1210,10 @@ def shrunk(x, noise):
 
 
 def bn_moments(x, mean, var, eps):
-    """DP-Norm's per-sample statistic of a BatchNorm input x [B, C, ...]: v_i = (mean z,
-    mean z² − 1) over the image's positions, z = (x − μ_src)/√(var_src + eps), [B, 2C].
+    """DP-Norm's per-sample statistic of a BatchNorm input x [B, channels, ...]: v_i = (mean z,
+    mean z² − 1) over the image's positions, z = (x − μ_src)/√(var_src + eps), [B, 2·channels].
     It is 0 at the source's statistics, so a clip shrinks it toward the source."""
-    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, C, H·W] (BatchNorm1d: H·W = 1)
+    z = at_least_fp32(x.reshape(*x.shape[:2], -1))  # [B, channels, H·W] (BatchNorm1d: H·W = 1)
     z = (z - mean[:, None]) / (var[:, None] + eps).sqrt()
     return torch.cat([z.mean(-1), z.pow(2).mean(-1) - 1], 1)
 
@@ -1213,9 +1227,10 @@ class DPNorm(DPTTA):
     dp_norm releases them privately. Before each of the first bn_layers BatchNorm layers
     (default all: L layers) runs, the batch's moments are released:
 
-        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),  c = bn_scale·√(2·C)
+        s = (Σ_i clip(v_i, c) + N(0, σ_l²c²I)) / B,  v_i = bn_moments(x_i),
+        c = moment_clip(channels) = bn_scale·√(2·channels)
 
-    (C here: the layer's channels, not the clip; v_i has two moments per channel.)
+    (v_i has two moments per channel: its norm grows as √(2·channels), and so does c.)
     Replacing one image moves the sum by at most 2c, so each release is (2/σ_l)-GDP; an
     image is in one batch, and the L releases of a forward compose to 2√L/σ_l = 2/σ, so
     σ_l = √L·σ(ε, δ). The release's noise is known exactly, τ = (1 + η)σ_l·c/B per coordinate,
@@ -1393,9 +1408,10 @@ PAPER_CONSTANTS = dict(
 
 def paper_hparams(method, eps=math.inf, setting="continual", clip=None):
     """(C, lr, where they come from) in the paper's tables; an original with a clip, and a DP
-    variant at ε = inf (no noise), take the clip-only row. COME alone has no row (Tent's is
-    used); an ε the paper did not tune takes the nearest tuned ε on a log scale; a method of
-    the user's own has none."""
+    variant at ε = inf (no noise), take the clip-only row. clip: the run's C, read only as
+    whether there is one (that row's lr was tuned with that row's C: with another C, pass
+    --lr too). COME alone has no row (Tent's is used); an ε the paper did not tune takes the
+    nearest tuned ε on a log scale; a method of the user's own has none."""
     private, base = METHODS[method].private, method.removeprefix("dp_")
     table, note = base, ""
     if base == "come":  # the paper has no row for COME alone: Tent's, a plain step with no filter
@@ -2119,7 +2135,9 @@ def checkpoint_digest(path, size, mtime_ns):
 
 
 def run_key(args):
-    """Everything that changes a result (the seed too: --summarize groups seeds)."""
+    """Everything that changes a result (the seed too: --summarize groups seeds). --summarize
+    makes a table of each setting, the key less PER_CELL: a field added here that varies
+    within a table belongs in PER_CELL too."""
     names = (
         "method eps delta privacy_unit clip lr hp batch_size setting order repeat "
         "accumulate dataset severity corruptions model bn seed noise_seed limit dtype"
@@ -2318,7 +2336,8 @@ def print_header(args, adapter, ledger, hp_note):
             print(f"  noise: NOT SECRET: replayed from --noise-seed {adapter.noise_seed}")
             print(f"  ({ledger['note']})")
     elif ledger.get("clip_only"):
-        print(f"privacy: NONE: clip only (eps = inf), not private; {what}")
+        unfiltered = "no noise and no filter (an original with --clip keeps its filter)"
+        print(f"privacy: NONE: clip only (eps = inf), not private: {unfiltered}; {what}")
     elif args.method != "source" and what:
         print(f"not private; per-sample clip {what}")
     elif args.method != "source":
@@ -2899,11 +2918,11 @@ def read_release_log(state, run_id):
 
 
 def log_release(adapter, state, logged, release):
-    """adapter.on_release in a run: the release's digest, by the noise block it drew, appended
-    to the log and synced to disk before the release is used. A resumed run draws the killed run's blocks again,
-    and each of its releases must then be the one logged: the same noise on another sum
-    (other images, other arithmetic, a GPU's nondeterministic kernels) would show the two
-    sums' difference, noise-free."""
+    """adapter.on_release in a run: the release's digest, by the noise block it drew, appended to
+    the log and synced to disk before the release is used. A resumed run draws the killed run's
+    blocks again, and each of its releases must then be the one logged: the same noise on another
+    sum (other images, other arithmetic, a GPU's nondeterministic kernels) would show the two sums'
+    difference, noise-free."""
     log, block, digest = f"{state}.releases", adapter.noise.blocks - 1, hashlib.sha256()
     for t in release.values():
         digest.update(t.detach().cpu().numpy().tobytes())
@@ -3024,6 +3043,8 @@ from scipy import stats
 
 # ----------------------------------------------------------------------------
 # --summarize: the paper's tables from a results file
+# the fields a record's key must hold to be read (run_key writes them, and more); every key field
+# not in PER_CELL splits the tables: a field added to run_key is a new table unless added there
 KEY_FIELDS = "method eps clip lr seed dataset severity model setting batch_size corruptions".split()
 # what a table's cells differ in: the method, its privacy and hyperparameters, and the seed
 PER_CELL = "method eps delta clip lr hp privacy_unit noise_seed accumulate fisher_data seed".split()
