@@ -1890,8 +1890,13 @@ def parse_args(argv=None):
 
 
 # the flags only one tool reads (their defaults are argparse's), and that tool: refused in a run
-TOOL_FLAGS = dict(rounds="benchmark", trials="audit", e2e_trials="audit", error="summarize")
-TOOL_FLAGS.update(per_corruption="summarize")
+TOOL_FLAGS = dict(
+    rounds="benchmark",
+    trials="audit",
+    e2e_trials="audit",
+    error="summarize",
+    per_corruption="summarize",
+)
 
 
 # the flags each tool reads, besides the machine's (--device, --workers); any other flag given
