@@ -763,9 +763,7 @@ class DPTTA(nn.Module):
 
     reset() goes back to the source (θ, optimizer, method state; never the noise); flush()
     steps on a pending accumulate window. replay, a dict, makes each batch's per-sample pass
-    run once (the audit's seam: its trials repeat only clip, noise and step). on_release, a
-    function, sees every release before anything uses it (the runner's seam: a resumed run
-    checks that its replay remakes the releases of the run it resumes)."""
+    run once (the audit's seam: its trials repeat only clip, noise and step)."""
 
     # {layer: (μ_src, σ²_src)} of the layers whose statistics are released: dp_norm's (set in
     # DPNorm.__init__; empty here and in norm), which reset() and the runner read
@@ -841,7 +839,7 @@ class DPTTA(nn.Module):
         self.noise_seed, self.noise = noise_seed, NoiseStream(noise_seed)
         self.shuffle_gen = torch.Generator(device).manual_seed(seed)
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
-        self.tally, self.replay, self.on_release = {}, None, None
+        self.tally, self.replay = {}, None
         self.reset()
 
     def _check_model(self, model):
@@ -967,14 +965,7 @@ class DPTTA(nn.Module):
             if not keep.any():
                 return logits, None, keep, state
             g = {n: t[keep] for n, t in g.items()}
-        return logits, self._release(g, self.clip), keep, state
-
-    def _release(self, grads, clip):
-        """One release, clip_and_noise on the adapter's noise, shown to on_release first."""
-        release = clip_and_noise(grads, clip, self.sigma, self.noise, self.tally)
-        if self.on_release is not None:
-            self.on_release(release)
-        return release
+        return logits, clip_and_noise(g, self.clip, self.sigma, self.noise, self.tally), keep, state
 
     def _plain_gradient(self, theta, x, ctx, keep):
         """The originals' gradient, ∇ mean_kept ℓ_i, by one batched backward."""
@@ -1090,10 +1081,9 @@ class DPTTA(nn.Module):
     def __getstate__(self):
         """copy.deepcopy and pickle. The noise stream is left out: its key regenerates every
         draw, past ones too, and would cancel the noise of the releases. So is the audit's
-        replay: it holds raw test batches and their per-sample gradients (and on_release, the
-        runner's)."""
+        replay: it holds raw test batches and their per-sample gradients."""
         self._refuse_a_pending_window()
-        return dict(super().__getstate__(), noise=None, replay=None, on_release=None)
+        return dict(super().__getstate__(), noise=None, replay=None)
 
     def __setstate__(self, state):
         """A copy draws its noise from a stream of its own, keyed from the OS: none is shared
@@ -1360,7 +1350,7 @@ class DPNorm(DPTTA):
         mean, var = self.bn_src[name]
         v = bn_moments(args[0], mean, var, bn.eps)
         c = self.moment_clip(len(mean))
-        s = self._release({"v": v}, c)["v"]
+        s = clip_and_noise({"v": v}, c, self.sigma, self.noise, self.tally)["v"]
         tau2 = release_noise(self.sigma, c, len(v))
         self.state[name] = averaged(self.state.get(name), s, tau2)
         self._normalize(name)
@@ -1441,7 +1431,6 @@ import fcntl
 import functools
 import io
 import json
-import platform
 import signal
 import stat
 import sys
@@ -1449,9 +1438,7 @@ import tempfile
 import time
 import uuid
 
-import PIL
 import timm
-import torchvision
 from PIL import Image
 from torch.utils.data import DataLoader, Subset, default_collate
 from torchvision.datasets import ImageFolder
@@ -2116,9 +2103,8 @@ def build_model(name, checkpoint=None, random_weights=False, seed=0):
 
 
 def weights_digest(model):
-    """SHA-256 of the model's parameters and buffers as built. A resumed run replays its killed
-    stream under the saved noise, which must meet the same weights: a hub's weights may change
-    under one name, and the same noise along another θ would cancel in the releases' difference."""
+    """SHA-256 of the model's parameters and buffers as built: a hub's weights may change under
+    one name, and a resumed run must go on with the model its records so far came from."""
     digest = hashlib.sha256()
     for name, t in model.state_dict().items():
         digest.update(name.encode())
@@ -2417,7 +2403,10 @@ def progress(loader, what):
 
 def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
     """The adapter on one stream: (correct, scored) per group (mixed: per corruption), and
-    the unreadable images' paths. shape: an image's, [3, H, W], for a batch of placeholders."""
+    the unreadable images' paths. shape: an image's, [3, H, W], for a batch of placeholders.
+    Its progress lines count images, never what the releases predicted: nothing computed from
+    a release leaves the run before the state that holds it is saved (a killed stream is
+    streamed again with its noise, and only that pass is seen)."""
     correct, scored = torch.zeros(2, groups, dtype=torch.long, device=args.device)
     unreadable, t0 = [], time.time()
     last = t0
@@ -2443,11 +2432,7 @@ def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
             scored += torch.bincount(group[y >= 0], minlength=groups)
             if (i + 1) % args.log_every == 0 or time.time() - last > PROGRESS_SECONDS:
                 last, seen = time.time(), scored.sum().item()
-                top1 = 100 * correct.sum().item() / max(seen, 1)
-                print(
-                    f"  {label} {seen}/{len(loader.dataset)} top-1 {top1:.1f}% {rate(seen, last - t0)}",
-                    flush=True,
-                )
+                print(f"  {label} {seen}/{len(loader.dataset)} {rate(seen, last - t0)}", flush=True)
     with autocast(args):
         adapter.flush()  # the last, partial accumulate window steps too
     stop_unless_finite(adapter, f"the last step of {label}")
@@ -2769,20 +2754,6 @@ def fisher_of(args, model, adapter, fisher_loader):
     return fisher
 
 
-def arithmetic(device):
-    """What a replay's sums rest on besides the device: the versions (another torch rounds
-    otherwise; another Pillow or torchvision decodes other pixels), and on a CPU its thread
-    count, model and the kernels it dispatches to (ATEN_CPU_CAPABILITY=default rounds
-    otherwise), on a GPU its name."""
-    kernels = torch.backends.cpu.get_cpu_capability()
-    where = f"{torch.get_num_threads()} threads of {cpu_model()}, {kernels} kernels"
-    if device == "cuda":
-        where = torch.cuda.get_device_name()
-    versions = f"torch {torch.__version__}, numpy {np.__version__}, timm {timm.__version__}"
-    versions += f", torchvision {torchvision.__version__}, Pillow {PIL.__version__}"
-    return f"{versions}, {where}"
-
-
 DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}  # a progress line's drift
 
 
@@ -2812,22 +2783,17 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
         sources = {"mixed": Mixed(streams)}
     run = dict(key=key, run_id=uuid.uuid4().hex, rounds=[{} for _ in range(args.repeat)])
     run.update(drift={}, done=[], records=[], images=0, unreadable=[], wall=0.0)
-    # (on another device the replay would compute other releases under the same noise, and the
-    # shuffles' generator is its device's; so would another torch, GPU or CPU thread count,
-    # whose sums round otherwise: the replay assumes the same arithmetic)
-    run["device"], run["arithmetic"] = args.device, arithmetic(args.device)
+    # what a resume must meet again: the shuffles' generator is its device's, and a stream
+    # resumed on other files or weights would record another run's accuracy under this one's key
+    run["device"], run["weights"] = args.device, weights
     run["data"] = {name: data_fingerprint(folder) for name, folder in folders.items()}
-    run["weights"] = weights
-    logged = {}  # a resumed run's: {noise block: digest} of the killed run's releases
     if resume is not None:
-        run, logged = resumed(args, adapter, resume, key, state, mine, run)
+        run = resumed(args, adapter, resume, key, state, mine, run)
     start = time.time() - run["wall"]
     status["run"], status["recorded"] = run, len(run["done"])
     if resume is None:  # a kill in the first stream resumes from here, its noise where it was
-        start_release_log(state, run["run_id"])  # (before the state: never a state without it)
+        remove_state(state)  # (a killed run's, replaced: stopped before this one's, none is left)
         save_state(state, run_state(run, adapter), first=True)
-    if state and adapter.sigma > 0:
-        adapter.on_release = partial(log_release, adapter, state, logged)
     for r, name in [(r, name) for r in range(args.repeat) for name in sources]:
         label = name if args.repeat == 1 else f"{name}#{r + 1}"
         if label in run["done"]:
@@ -2849,22 +2815,23 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
         run["unreadable"] += bad
         run["drift"][label] = drift = drift_of(adapter)
         moved = "" if drift is None else f" | {DRIFT_LABEL[bool(adapter.bn_src)]} {drift:.4f}"
-        records, common = [], dict(mode="corruption", run_id=run["run_id"], key=key, round=r + 1)
+        records, lines = [], []
+        common = dict(mode="corruption", run_id=run["run_id"], key=key, round=r + 1)
         for c, hits, images in zip(groups, correct, scored):
             run["rounds"][r][c] = top1 = 100 * hits / max(images, 1)
             record = dict(common, corruption=c, accuracy=top1, error=100 - top1, images=images)
             skipped = sum(path in streams[c].files for path in bad)  # (mixed: its own files)
             records.append(dict(record, skipped=skipped, drift=drift, smoke=bool(args.synthetic)))
             note = f" | {skipped} unreadable image(s) skipped" if skipped else ""
-            print(
-                f"{c:<18} top-1 {top1:5.1f}% | {images} images | {rate(images, time.time() - t0)}{moved}{note}",
-                flush=True,
-            )
+            speed = rate(images, time.time() - t0)
+            lines.append(f"{c:<18} top-1 {top1:5.1f}% | {images} images | {speed}{moved}{note}")
         run["done"].append(label)
         run["records"] += records
-        # the state first, then the records: a kill between the two loses nothing (--resume
-        # writes the records it finds in the state) and repeats nothing
+        # the state first, then the stream's lines and records: a kill between the two loses
+        # nothing (--resume writes the records it finds in the state) and repeats nothing, and
+        # a kill before it has shown nothing of the stream's releases
         save_state(state, run_state(dict(run, wall=time.time() - start), adapter))
+        print("\n".join(lines), flush=True)
         for record in records:
             append_jsonl(args.out, record)
         status["recorded"] += 1
@@ -2874,123 +2841,43 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
 
 
 def remove_state(state):
-    """A run's state and its release log, where they exist (--out /dev/null: none)."""
-    for path in (state, f"{state}.releases") if state else ():
+    """A run's state, where it exists (--out /dev/null: none)."""
+    if state:
         with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-
-
-def start_release_log(state, run_id):
-    """A new run's release log beside its state, created by this run alone (create_private, as
-    the state), its first line naming the run. A
-    killed run's state and log, which this run replaces, are removed first: stopped before
-    its own state is saved, it leaves nothing to resume (never a state beside another run's
-    log). A run stops where it fails."""
-    if state is None:
-        return
-    log = f"{state}.releases"
-    remove_state(state)
-    try:
-        with create_private(log, "w") as f:
-            f.write(f"run {run_id}\n")
-    except OSError as e:
-        fail(f"cannot create the run's release log {log} ({one_line(e)}); no image was read", 4)
-
-
-def read_release_log(state, run_id):
-    """A killed run's release log, {noise block: digest}, refused unless it is its run's and
-    whole. Its last line may be cut short (a full disk): that release was never used
-    (log_release writes first), and the line is cut off the file, so that the next one
-    starts a line of its own."""
-    log = f"{state}.releases"
-    data = read_state(log)
-    why = "missing, or not a file of this user's that only it reads"
-    require(data is not None, f"{log} is {why}: the replay cannot be checked; {NEW_RUN}")
-    whole = data[: data.rfind(b"\n") + 1]  # (b"" if no line ends)
-    lines = whole.decode("ascii", "replace").split("\n")[:-1]
-    not_its = f"{log} is not the release log of {state}'s run: the replay cannot be checked"
-    require(lines[:1] == [f"run {run_id}"], f"{not_its}; {NEW_RUN}")
-    logged = {}
-    for line in lines[1:]:  # "block digest", each block once
-        block, _, digest = line.partition(" ")
-        well_formed = re.fullmatch(r"\d+ [0-9a-f]{16}", line) is not None
-        require(well_formed and int(block) not in logged, f"{log} is damaged ({line!r}); {NEW_RUN}")
-        logged[int(block)] = digest
-    if len(whole) < len(data):
-        with open(log, "r+b", opener=no_link) as f:
-            f.truncate(len(whole))
-    return logged
-
-
-def log_release(adapter, state, logged, release):
-    """adapter.on_release in a run: the release's digest, by the noise block it drew, appended to
-    the log and synced to disk before the release is used. A resumed run draws the killed run's
-    blocks again, and each of its releases must then be the one logged: the same noise on another
-    sum (other images, other arithmetic, a GPU's nondeterministic kernels) would show the two sums'
-    difference, noise-free."""
-    log, block, digest = f"{state}.releases", adapter.noise.blocks - 1, hashlib.sha256()
-    for t in release.values():
-        digest.update(t.detach().cpu().numpy().tobytes())
-    digest = digest.hexdigest()[:16]
-    if block in logged:
-        if digest != logged[block]:
-            changed = f"the replay's release on noise block {block} is not the one {state}'s run"
-            why = "the same noise on another sum would show the difference; stopped before using it"
-            fail(f"{changed} made (other images or arithmetic): {why}; {NEW_RUN}")
-        return
-    try:  # (never created here: a log removed during the run stops it)
-        with os.fdopen(os.open(log, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW), "w") as f:
-            f.write(f"{block} {digest}\n")
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the release is used: a power cut keeps it too
-    except OSError as e:
-        fail(f"cannot log a release in {log} ({one_line(e)}): stopped before using it", 4)
-
-
-def cpu_model():
-    """The CPU's model name (Linux's /proc/cpuinfo), else its architecture: another CPU may
-    dispatch other kernels, whose sums round otherwise."""
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.machine()
+            os.remove(state)
 
 
 def run_state(run, adapter):
     """What --resume needs: the run's bookkeeping, the adapter's checkpoint, and its noise
-    stream's state. A killed stream is streamed again from the start: with the noise it
-    drew before, its releases are the ones already made, not a second, uncounted set."""
+    stream's state. A killed stream is streamed again from the start, drawing the noise it
+    drew before. Nothing computed from its releases had left the run (no line, no record:
+    see stream_through), so its second pass is the only one anyone sees: no release counts
+    twice, even where other arithmetic (a GPU's kernels) makes it differ from the first."""
     return dict(run, adapter=adapter.get_extra_state(), noise=adapter.noise.get_state())
 
 
 def resumed(args, adapter, resume, key, state, mine, run):
-    """A killed run's bookkeeping, its adapter where it stood, and its release log; the
-    records the state holds but the file lacks (a kill between the two) are written now, once."""
+    """A killed run's bookkeeping and its adapter where it stood; the records the state holds
+    but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
-    # (before the keyed stream "noise" was a torch generator's state; "data", "device",
-    # "arithmetic" and "weights" came later)
+    # (before the keyed stream "noise" was a torch generator's state; "data", "device" and
+    # "weights" came later)
     current = isinstance(resume.get("noise"), dict) and isinstance(resume.get("data"), dict)
     require(
-        current and {"device", "arithmetic", "weights"} <= set(resume),
+        current and {"device", "weights"} <= set(resume),
         f"{state} is from an older dptta: it cannot go on; {NEW_RUN}",
     )
     saved_on = resume["device"]
     elsewhere = f"{state} was saved on {saved_on}: --device {saved_on} resumes it"
     require(saved_on == args.device, elsewhere)
-    saved_under = f"{state} was saved under {resume['arithmetic']}, not {run['arithmetic']}"
-    other = "its replay would compute other releases under the same noise"
-    require(resume["arithmetic"] == run["arithmetic"], f"{saved_under}: {other}; {NEW_RUN}")
+    mixed = "its records would mix two runs under one key"
     changed = f"{args.model}'s weights changed since {state} was saved"
     now = f"(now sha256 {run['weights'][:12]}…)"
-    require(resume["weights"] == run["weights"], f"{changed} {now}: {other}; {NEW_RUN}")
+    require(resume["weights"] == run["weights"], f"{changed} {now}: {mixed}; {NEW_RUN}")
     data = run["data"]
     for name in sorted(set(data) | set(resume["data"])):  # each folder's digest now and then
-        if resume["data"].get(name) != data.get(name):
-            fail(
-                f"{name}: files changed since {state} was saved: the saved noise would meet other images; {NEW_RUN}"
-            )
-    logged = read_release_log(state, resume["run_id"])  # (before anything is written)
+        changed = f"{name}: files changed since {state} was saved"
+        require(resume["data"].get(name) == data.get(name), f"{changed}: {mixed}; {NEW_RUN}")
     adapter.set_extra_state(resume.pop("adapter"))
     adapter.noise.set_state(resume.pop("noise"))
     written = [
@@ -3008,7 +2895,7 @@ def resumed(args, adapter, resume, key, state, mine, run):
             append_jsonl(args.out, record)
     done = ", ".join(resume["done"]) if resume["done"] else "none (its first stream again)"
     print(f"resumed run {resume['run_id']} after {done}")
-    return resume, logged
+    return resume
 
 
 def finish(args, run, streams, adapter, ledger, hp_note, start):
