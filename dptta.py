@@ -1466,7 +1466,8 @@ def reached_once(seen, path, node):
 
 class UnreadableFile(OSError):
     """A file the system could not read (permissions, a failing disk), unlike a corrupt
-    image: it stops the run. Readable later, it would be another stream under the same noise."""
+    image: it stops the run, which --resume takes up once it reads, rather than turn a
+    passing failure into a gray image that no rerun would see again."""
 
 
 def no_link(name, flags):
@@ -1670,9 +1671,8 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
 
 def data_fingerprint(folder):
     """A digest of a WnidFolder's files (path under its root, bytes, modification time): a
-    resumed run's stream is streamed again with the noise the state saved, which must meet
-    the same images, and the same Fisher images (the same noise on other images, or along
-    another θ, would cancel in the difference of the releases)."""
+    resumed run goes on over the tree its records so far came from (and the same Fisher
+    images), or its records would mix two trees under one key."""
     files = sorted(
         (os.path.relpath(path, folder.root), st.st_size, st.st_mtime_ns)
         for path, st in folder.files.items()
