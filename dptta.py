@@ -2222,8 +2222,9 @@ def create_private(path, mode):
 def save_state(path, state, first=False):
     """torch.save to a file only its owner reads (it holds the noise stream's key: as secret as
     the data), synced to disk, then a rename: a kill or a power cut leaves the old state or the
-    new one, never the .tmp, and never records on disk that their state is not.
-    The first save, before any image, stops the run if it fails; a later one warns."""
+    new one, never the .tmp, and never records on disk that their state is not. A save that
+    fails stops the run (exit 4) before anything of the stream it follows is shown: --resume
+    streams it again from the last state, and only that pass is seen."""
     if path is None:  # --out /dev/null: nothing to resume
         return
     try:
@@ -2235,7 +2236,7 @@ def save_state(path, state, first=False):
     except (OSError, RuntimeError) as e:  # torch.save's full disk is a RuntimeError
         if first:
             fail(f"cannot save the run's state {path} ({one_line(e)}); no image was read", 4)
-        warn(f"cannot save {path} ({one_line(e)}): --resume will refuse to go on")
+        fail(f"cannot save the run's state {path} ({one_line(e)}); --resume goes on from the last", 4)
     finally:  # a failure, or a signal in the middle (KeyboardInterrupt)
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
@@ -2365,11 +2366,13 @@ def print_norm_noise(adapter, batch_size):
 
 # ----------------------------------------------------------------------------
 # main: the stream, corruption by corruption
-def stop_unless_finite(adapter, where, *tensors):
+def stop_unless_finite(adapter, where, *tensors, state=None):
     """θ and the tensors (logits) are finite (one device sync), or exit 3: NaN logits would
-    predict class 0 and be scored."""
+    predict class 0 and be scored. The message tells of the stream's releases, so the run's
+    state goes first: a diverged stream is never streamed again under its noise."""
     checks = [torch.isfinite(t.detach()).all() for t in (*adapter.params.values(), *tensors)]
     if checks and not torch.stack(checks).all():
+        remove_state(state)
         fail(
             f"θ or the logits are not finite after {where} (lr or clip too large?); stopped, no record of this corruption or run",
             3,
@@ -2401,7 +2404,7 @@ def progress(loader, what):
                 )
 
 
-def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
+def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1, state=None):
     """The adapter on one stream: (correct, scored) per group (mixed: per corruption), and
     the unreadable images' paths. shape: an image's, [3, H, W], for a batch of placeholders.
     Its progress lines count images, never what the releases predicted: nothing computed from
@@ -2427,7 +2430,7 @@ def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
             y = torch.where(y >= 0, y % Mixed.TAG, y)  # placeholders (−1) are never scored
             with autocast(args):
                 logits = adapter(x)
-            stop_unless_finite(adapter, f"batch {i + 1} of {label}", logits)
+            stop_unless_finite(adapter, f"batch {i + 1} of {label}", logits, state=state)
             correct += torch.bincount(group[logits.argmax(1) == y], minlength=groups)
             scored += torch.bincount(group[y >= 0], minlength=groups)
             if (i + 1) % args.log_every == 0 or time.time() - last > PROGRESS_SECONDS:
@@ -2435,7 +2438,7 @@ def stream_through(adapter, loader, label, *, args, lookup, shape, groups=1):
                 print(f"  {label} {seen}/{len(loader.dataset)} {rate(seen, last - t0)}", flush=True)
     with autocast(args):
         adapter.flush()  # the last, partial accumulate window steps too
-    stop_unless_finite(adapter, f"the last step of {label}")
+    stop_unless_finite(adapter, f"the last step of {label}", state=state)
     return correct.tolist(), scored.tolist(), unreadable
 
 
@@ -2560,6 +2563,12 @@ def adapt_resumably(args, key, hp_note, state):
             f"{args.out} holds this run already: this one releases its images again, and both "
             "runs' releases count (--resume would skip it)"
         )
+    unfinished = any(r.get("mode") == "corruption" for r in mine) and not finished
+    if unfinished and not killed and not args.resume:  # (a diverged run's: said)
+        warn(
+            f"{args.out} holds records of an unfinished run of this cell: this one releases "
+            "their images again, and both runs' releases count"
+        )
     if killed and not args.resume:  # (the user's choice: said)
         warn(
             f"{state}: a killed run of this cell, replaced: this run starts afresh, and its "
@@ -2578,7 +2587,7 @@ def adapt_resumably(args, key, hp_note, state):
         except Exception as e:
             again = "starting it afresh would release its images again; remove it and"
             fail(f"{state} is damaged ({one_line(e)}): its run cannot go on, and {again} {NEW_RUN}")
-    elif args.resume and any(r.get("mode") == "corruption" for r in mine):
+    elif args.resume and unfinished:
         lacks = f"{args.out} holds corruption records of this run but not its state ({state})"
         fail(f"--resume: {lacks}: it cannot go on without releasing their images again; {NEW_RUN}")
     status = {}  # the run's bookkeeping, "run", as it goes (adapt_and_record)
@@ -2754,7 +2763,7 @@ def fisher_of(args, model, adapter, fisher_loader):
     return fisher
 
 
-DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}  # a progress line's drift
+DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}  # a stream line's drift
 
 
 def adapt_and_record(args, key, hp_note, state, resume, mine, status):
@@ -2806,7 +2815,8 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
         shape = config["input_size"]
         correct, scored, bad = stream_through(
-            adapter, loader, label, args=args, lookup=lookup, shape=shape, groups=len(groups)
+            adapter, loader, label, args=args, lookup=lookup, shape=shape, groups=len(groups),
+            state=state,
         )
         for c, images in zip(groups, scored):  # a 0% of no image would be a made-up measurement
             if not images:
@@ -2861,10 +2871,11 @@ def resumed(args, adapter, resume, key, state, mine, run):
     but the file lacks (a kill between the two) are written now, once."""
     require(resume["key"] == key, f"{state} belongs to another run; remove it")
     # (before the keyed stream "noise" was a torch generator's state; "data", "device" and
-    # "weights" came later)
+    # "weights" came later; a state with "arithmetic" is from a dptta whose progress lines
+    # showed a killed stream's accuracy: its stream was seen, and must not be streamed again)
     current = isinstance(resume.get("noise"), dict) and isinstance(resume.get("data"), dict)
     require(
-        current and {"device", "weights"} <= set(resume),
+        current and {"device", "weights"} <= set(resume) and "arithmetic" not in resume,
         f"{state} is from an older dptta: it cannot go on; {NEW_RUN}",
     )
     saved_on = resume["device"]

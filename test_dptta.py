@@ -11,6 +11,7 @@ import math
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import signal
 import stat
@@ -2938,15 +2939,26 @@ def test_a_diverging_run_stops_naming_the_batch_and_records_no_result(tree, tmp_
             next(iter(self.params.values())).data.fill_(math.nan)
 
     monkeypatch.setattr(dptta.DPTTA, "_step", poisoned)
+    real_fail, states_at_fail = dptta.fail, []
+
+    def fail(message, code=2):  # the message tells of the stream: its state is gone by then
+        states_at_fail.append(list(tmp_path.glob("r.jsonl.*.pt")))
+        real_fail(message, code)
+
+    monkeypatch.setattr(dptta, "fail", fail)
     out = tmp_path / "r.jsonl"
+    argv = ["--data", str(root), "--corruptions", "gaussian_noise,shot_noise", "--model", CLI_MODEL,
+            "--checkpoint", str(ckpt), "--batch-size", "4", "--workers", "0", "--method", "tent",
+            "--out", str(out)]
     with pytest.raises(SystemExit) as e:
-        dptta.main(["--data", str(root), "--corruptions", "gaussian_noise,shot_noise", "--model",
-                    CLI_MODEL, "--checkpoint", str(ckpt), "--batch-size", "4", "--workers", "0",
-                    "--method", "tent", "--out", str(out)])
+        dptta.main(argv)
     err = capsys.readouterr().err.strip()
     assert e.value.code == 3 and len(err.splitlines()) == 1
-    assert "not finite after batch 2 of shot_noise" in err
+    assert "not finite after batch 2 of shot_noise" in err and states_at_fail == [[]]
     assert [x["mode"] for x in records(out)] == ["corruption"]  # gaussian_noise only: it was done
+    monkeypatch.undo()
+    assert dptta.main(argv) == 0  # a rerun releases gaussian_noise's images again: said
+    assert "holds records of an unfinished run" in capsys.readouterr().err
 
 
 def test_non_finite_logits_stop_the_run_and_leave_no_file(tree, tmp_path):
@@ -3383,7 +3395,11 @@ def test_a_killed_stream_shows_nothing_of_its_releases_so_its_replay_is_the_only
     monkeypatch.undo()
     assert "  shot_noise 4/12 " in shown  # its progress, and not its line
     assert not any(line.startswith("shot_noise") for line in shown.splitlines()), shown
-    assert "gaussian_noise     top-1" in shown and "/13 top-1" not in shown, shown
+    assert "gaussian_noise     top-1" in shown, shown
+    progress = [line for line in shown.splitlines() if re.match(r"  \w+ \d+/", line)]
+    assert len(progress) == 6, shown  # 4 batches of gaussian_noise, 2 of shot_noise
+    for line in progress:  # images and their rate, nothing else
+        assert re.fullmatch(r"  \w+ \d+/\d+ \S+ img/s", line), line
     assert [r["corruption"] for r in records(out)] == ["gaussian_noise"]
     state = next(tmp_path.glob("r.jsonl.*.pt"))
     real_grads = dptta.per_sample_grads
@@ -3417,12 +3433,36 @@ def test_a_killed_stream_shows_nothing_of_its_releases_so_its_replay_is_the_only
         dptta.main(again)
     err = capsys.readouterr().err
     assert e.value.code == 2 and "but not its state" in err and "both runs' releases count" in err
+    # the state after a stream comes before its line and records: killed in that save, or the
+    # save failing (a full disk), the run has shown nothing of the stream, and goes on from
+    # the state before it
+    for i, stop in enumerate((KeyboardInterrupt, RuntimeError("No space left on device"))):
+        real_save, out = torch.save, tmp_path / f"save{i}.jsonl"
+
+        def save(state, f):  # (torch.save's full disk is a RuntimeError)
+            if state["done"][-1:] == ["shot_noise"]:
+                raise stop
+            real_save(state, f)
+
+        monkeypatch.setattr(torch, "save", save)
+        capsys.readouterr()
+        try:
+            code = dptta.main(argv + ["--out", str(out)])
+        except SystemExit as e:
+            code = e.code
+        shown = capsys.readouterr()
+        monkeypatch.undo()
+        assert code == (130 if i == 0 else 4), shown.err
+        assert "gaussian_noise     top-1" in shown.out and "shot_noise     top-1" not in shown.out
+        assert [r["corruption"] for r in records(out)] == ["gaussian_noise"]
+        assert dptta.main(argv + ["--out", str(out)]) == 0
+        assert [r.get("corruption") for r in records(out)] == ["gaussian_noise", "shot_noise", None]
 
 
-def test_a_state_is_on_disk_before_the_records_that_follow_it(tmp_path, monkeypatch):
+def test_a_state_is_synced_before_its_rename(tmp_path, monkeypatch):
     """A power cut loses what the page cache held: records on disk ahead of their state would
-    be streamed again. So a state is synced before its rename (before the records that follow
-    it are written)."""
+    be streamed again. So a state is synced before its rename (the order of state and records
+    is test_a_kill_between_state_and_record_neither_loses_nor_repeats_a_record's)."""
     state = tmp_path / "r.jsonl.x.pt"
     synced, renamed = [], []
     monkeypatch.setattr(dptta.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
@@ -3470,6 +3510,7 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
     for older_field in (dict(data="0" * 64),  # one digest for all the streams
                         dict(noise=torch.Generator().get_state()),  # torch's generator
                         dict(device=None),  # no device (None: the field removed)
+                        dict(arithmetic="torch 2.9"),  # its progress lines showed accuracy
                         dict(weights=None)):  # no digest of the weights
         older = torch.load(io.BytesIO(good), weights_only=False)
         older.update(older_field)
