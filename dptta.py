@@ -2233,6 +2233,11 @@ def save_state(path, state, first=False):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename, and before the records it precedes
         os.replace(path + ".tmp", path)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:  # the rename on disk too, before the stream it follows is shown
+            os.fsync(folder)
+        finally:
+            os.close(folder)
     except (OSError, RuntimeError) as e:  # torch.save's full disk is a RuntimeError
         if first:
             fail(f"cannot save the run's state {path} ({one_line(e)}); no image was read", 4)
@@ -2851,10 +2856,11 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
 
 
 def remove_state(state):
-    """A run's state, where it exists (--out /dev/null: none)."""
-    if state:
+    """A run's state, where it exists (--out /dev/null: none), and the release log that a
+    dptta before this one kept beside it."""
+    for path in (state, f"{state}.releases") if state else ():
         with contextlib.suppress(FileNotFoundError):
-            os.remove(state)
+            os.remove(path)
 
 
 def run_state(run, adapter):
@@ -2899,7 +2905,7 @@ def resumed(args, adapter, resume, key, state, mine, run):
     saved = [(r["corruption"], r["round"]) for r in resume["records"]]
     require(
         set(written) <= set(saved),
-        f"{state} is older than the records of its run in {args.out} (a state that could not be saved): it cannot go on; {NEW_RUN}",
+        f"{state} is older than the records of its run in {args.out} (a save lost, or an older state put back): it cannot go on; {NEW_RUN}",
     )
     for record in resume["records"]:
         if (record["corruption"], record["round"]) not in written:

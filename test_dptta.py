@@ -3459,10 +3459,12 @@ def test_a_killed_stream_shows_nothing_of_its_releases_so_its_replay_is_the_only
         assert [r.get("corruption") for r in records(out)] == ["gaussian_noise", "shot_noise", None]
 
 
-def test_a_state_is_synced_before_its_rename(tmp_path, monkeypatch):
-    """A power cut loses what the page cache held: records on disk ahead of their state would
-    be streamed again. So a state is synced before its rename (the order of state and records
-    is test_a_kill_between_state_and_record_neither_loses_nor_repeats_a_record's)."""
+def test_a_state_is_synced_before_its_rename_and_the_rename_before_it_returns(tmp_path,
+                                                                             monkeypatch):
+    """A power cut loses what the page cache held: a stream shown, or its records on disk,
+    ahead of its state would be streamed again. So a state is synced before its rename, and its
+    folder (the rename) before save_state returns (the order of state, line and records is
+    test_a_killed_stream_shows_nothing_of_its_releases_so_its_replay_is_the_only_pass_seen's)."""
     state = tmp_path / "r.jsonl.x.pt"
     synced, renamed = [], []
     monkeypatch.setattr(dptta.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")))
@@ -3470,7 +3472,7 @@ def test_a_state_is_synced_before_its_rename(tmp_path, monkeypatch):
     monkeypatch.setattr(dptta.os, "replace", lambda a, b: (renamed.append(list(synced)),
                                                            real_replace(a, b)))
     dptta.save_state(str(state), {"key": 1}, first=True)
-    assert synced == [f"{state}.tmp"] and renamed == [synced]
+    assert renamed == [[f"{state}.tmp"]] and synced == [f"{state}.tmp", str(tmp_path)]
     assert torch.load(state, weights_only=True) == {"key": 1}
 
 
