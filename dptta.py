@@ -2241,7 +2241,8 @@ def save_state(path, state, first=False):
     except (OSError, RuntimeError) as e:  # torch.save's full disk is a RuntimeError
         if first:
             fail(f"cannot save the run's state {path} ({one_line(e)}); no image was read", 4)
-        fail(f"cannot save the run's state {path} ({one_line(e)}); --resume goes on from the last", 4)
+        last = "--resume goes on from the last one"
+        fail(f"cannot save the run's state {path} ({one_line(e)}); {last}", 4)
     finally:  # a failure, or a signal in the middle (KeyboardInterrupt)
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
@@ -2818,10 +2819,9 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
         stream["pin_memory"] = args.device == "cuda"
         loader = image_stream(sources[name], args.batch_size, seed=args.seed, **stream)
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
-        shape = config["input_size"]
+        shape, n = config["input_size"], len(groups)
         correct, scored, bad = stream_through(
-            adapter, loader, label, args=args, lookup=lookup, shape=shape, groups=len(groups),
-            state=state,
+            adapter, loader, label, args=args, lookup=lookup, shape=shape, groups=n, state=state
         )
         for c, images in zip(groups, scored):  # a 0% of no image would be a made-up measurement
             if not images:
