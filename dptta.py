@@ -763,7 +763,8 @@ class DPTTA(nn.Module):
 
     reset() goes back to the source (θ, optimizer, method state; never the noise); flush()
     steps on a pending accumulate window. replay, a dict, makes each batch's per-sample pass
-    run once (the audit's seam: its trials repeat only clip, noise and step)."""
+    run once (the audit's seam: its trials repeat only clip, noise and step; unrelated to
+    noise_seed's replay of the noise and to --resume's of a killed stream)."""
 
     # {layer: (μ_src, σ²_src)} of the layers whose statistics are released: dp_norm's (set in
     # DPNorm.__init__; empty here and in norm), which reset() and the runner read
@@ -1466,8 +1467,9 @@ def reached_once(seen, path, node):
 
 class UnreadableFile(OSError):
     """A file the system could not read (permissions, a failing disk), unlike a corrupt
-    image: it stops the run, which --resume takes up once it reads, rather than turn a
-    passing failure into a gray image that no rerun would see again."""
+    image: it stops the run, which --resume takes up once the file reads, with the size and
+    modification time it was listed with (data_fingerprint: a copy put back needs its time
+    restored), rather than turn a passing failure into a gray image no rerun would see again."""
 
 
 def no_link(name, flags):
@@ -2231,7 +2233,7 @@ def save_state(path, state, first=False):
         with create_private(path + ".tmp", "wb") as f:
             torch.save(state, f)
             f.flush()
-            os.fsync(f.fileno())  # on disk before the rename, and before the records it precedes
+            os.fsync(f.fileno())  # on disk before the rename, the stream's line and records
         os.replace(path + ".tmp", path)
         folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
         try:  # the rename on disk too, before the stream it follows is shown
@@ -2606,7 +2608,9 @@ def adapt_resumably(args, key, hp_note, state):
                 make_synthetic_tree(args.data, args.corruptions, args.severity, args.synthetic)
             return adapt_and_record(args, key, hp_note, state, resume, mine, status)
     except SystemExit as e:
-        if e.code == 3:  # diverged: nothing to resume
+        # exit 3: diverged (its state removed already, before the message) or a corruption with
+        # no readable image: nothing to resume
+        if e.code == 3:
             remove_state(state)
         raise
     except UnreadableFile as e:  # (from a DataLoader worker: its message quotes its traceback)
@@ -2773,7 +2777,8 @@ DRIFT_LABEL = {False: "‖θ−θ0‖", True: "stats from source (z)"}  # a stre
 
 
 def adapt_and_record(args, key, hp_note, state, resume, mine, status):
-    """Opens every input, then adapts: records and saves after each stream, then the run.
+    """Opens every input, then adapts: after each stream it saves the state, then shows the
+    stream's line and appends its records; then the run's record.
     status["run"]: the run's bookkeeping as it goes (what a signal's message reads)."""
     streams, folders, fisher_loader, model, config, lookup, weights = open_run(args)
     adapter = make_adapter(args, model, config)
@@ -2868,7 +2873,9 @@ def run_state(run, adapter):
     stream's state. A killed stream is streamed again from the start, drawing the noise it
     drew before. Nothing computed from its releases had left the run (no line, no record:
     see stream_through), so its second pass is the only one anyone sees: no release counts
-    twice, even where other arithmetic (a GPU's kernels) makes it differ from the first."""
+    twice, even where other arithmetic (a GPU's kernels) makes it differ from the first. Had
+    both passes been seen, the two releases of one batch would share their noise, and their
+    difference would show the difference of the two sums without any."""
     return dict(run, adapter=adapter.get_extra_state(), noise=adapter.noise.get_state())
 
 

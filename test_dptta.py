@@ -3192,9 +3192,8 @@ def test_a_state_file_is_private_and_never_a_planted_file_or_code(tree, tmp_path
 @pytest.mark.parametrize("becomes", ["a folder", "a FIFO"])
 def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tmp_path, becomes,
                                                                        monkeypatch, capsys):
-    """A read that fails is no corrupt image: skipped as one, it would be a gray placeholder in
-    the released step, and the real image under the same noise after a resume (two releases
-    of one batch, the noise cancelling in their difference). Here a listed file becomes a
+    """A read that fails is no corrupt image: skipped as one, a file that reads again later
+    would stay a gray placeholder in the step and the records, a pass no rerun sees again. Here a listed file becomes a
     folder or a FIFO mid-run (unreadable as a file, even to root; a FIFO's read blocked the
     run for good): the run stops with exit 4, naming it, before its batch is stepped; once it
     reads again, --resume ends as a run that never stopped."""
@@ -3269,8 +3268,8 @@ def test_a_file_unreadable_in_a_loader_worker_ends_the_run_without_a_hang(tree, 
 
 
 def test_resume_refuses_a_stream_whose_files_changed(tree, tmp_path, monkeypatch, capsys):
-    """A resumed stream meets the saved noise again: on other images the same noise would
-    cancel in the difference of the two releases. A file changed since the state (its bytes
+    """A resumed stream goes on over the tree its run's records came from: on other files its
+    records would mix two trees under one key. A file changed since the state (its bytes
     or its time) is refused; the synthetic tree is the same tree each time, so it resumes."""
     root = tmp_path / "imagenet-c"
     shutil.copytree(tree[0], root)
@@ -3523,7 +3522,7 @@ def test_resume_refuses_a_run_it_cannot_continue_and_removes_a_finished_runs_sta
             dptta.main(argv)
         assert e.value.code == 2 and "from an older dptta" in capsys.readouterr().err, older_field
     elsewhere = torch.load(io.BytesIO(good), weights_only=False)
-    elsewhere["device"] = "cuda"  # a replay there would compute other releases
+    elsewhere["device"] = "cuda"  # the shuffles' generator is its device's
     torch.save(elsewhere, state)
     state.chmod(0o600)
     with pytest.raises(SystemExit) as e:
