@@ -2374,17 +2374,21 @@ def print_norm_noise(adapter, batch_size):
 
 # ----------------------------------------------------------------------------
 # main: the stream, corruption by corruption
+def stop_the_run(message, state):
+    """Exit 3: the stream stopped the run (it diverged, or a corruption has no readable image),
+    and there is nothing to resume. Its state goes before the message, which may tell of the
+    stream's releases (the batch that diverged): such a stream is never streamed again."""
+    remove_state(state)
+    fail(message, 3)
+
+
 def stop_unless_finite(adapter, where, *tensors, state=None):
     """θ and the tensors (logits) are finite (one device sync), or exit 3: NaN logits would
-    predict class 0 and be scored. The message tells of the stream's releases, so the run's
-    state goes first: a diverged stream is never streamed again under its noise."""
+    predict class 0 and be scored."""
     checks = [torch.isfinite(t.detach()).all() for t in (*adapter.params.values(), *tensors)]
     if checks and not torch.stack(checks).all():
-        remove_state(state)
-        fail(
-            f"θ or the logits are not finite after {where} (lr or clip too large?); stopped, no record of this corruption or run",
-            3,
-        )
+        diverged = f"θ or the logits are not finite after {where} (lr or clip too large?)"
+        stop_the_run(f"{diverged}; stopped, no record of this corruption or run", state)
 
 
 def autocast(args):
@@ -2607,12 +2611,6 @@ def adapt_resumably(args, key, hp_note, state):
                 )
                 make_synthetic_tree(args.data, args.corruptions, args.severity, args.synthetic)
             return adapt_and_record(args, key, hp_note, state, resume, mine, status)
-    except SystemExit as e:
-        # exit 3: diverged (its state removed already, before the message) or a corruption with
-        # no readable image: nothing to resume
-        if e.code == 3:
-            remove_state(state)
-        raise
     except UnreadableFile as e:  # (from a DataLoader worker: its message quotes its traceback)
         unread = re.findall(r"cannot read [^\n]*", str(e))[-1]
         hint = ": --resume goes on once it reads" if state and os.path.exists(state) else ""
@@ -2824,13 +2822,21 @@ def adapt_and_record(args, key, hp_note, state, resume, mine, status):
         stream["pin_memory"] = args.device == "cuda"
         loader = image_stream(sources[name], args.batch_size, seed=args.seed, **stream)
         t0, groups = time.time(), list(streams) if name == "mixed" else [name]
-        shape, n = config["input_size"], len(groups)
+        shape = config["input_size"]
         correct, scored, bad = stream_through(
-            adapter, loader, label, args=args, lookup=lookup, shape=shape, groups=n, state=state
+            adapter,
+            loader,
+            label,
+            args=args,
+            lookup=lookup,
+            shape=shape,
+            groups=len(groups),
+            state=state,
         )
         for c, images in zip(groups, scored):  # a 0% of no image would be a made-up measurement
             if not images:
-                fail(f"{c}: no image of it could be read; stopped, no record of it or the run", 3)
+                unread = f"{c}: no image of it could be read"
+                stop_the_run(f"{unread}; stopped, no record of it or the run", state)
         run["images"] += sum(scored)
         run["unreadable"] += bad
         run["drift"][label] = drift = drift_of(adapter)

@@ -3193,10 +3193,10 @@ def test_a_state_file_is_private_and_never_a_planted_file_or_code(tree, tmp_path
 def test_a_file_the_system_cannot_read_stops_the_run_and_resume_goes_on(tree, tmp_path, becomes,
                                                                        monkeypatch, capsys):
     """A read that fails is no corrupt image: skipped as one, a file that reads again later
-    would stay a gray placeholder in the step and the records, a pass no rerun sees again. Here a listed file becomes a
-    folder or a FIFO mid-run (unreadable as a file, even to root; a FIFO's read blocked the
-    run for good): the run stops with exit 4, naming it, before its batch is stepped; once it
-    reads again, --resume ends as a run that never stopped."""
+    would stay a gray placeholder in the step and the records, a pass no rerun sees again.
+    Here a listed file becomes a folder or a FIFO mid-run (unreadable as a file, even to root;
+    a FIFO's read blocked the run for good): the run stops with exit 4, naming it, before its
+    batch is stepped; once it reads again, --resume ends as a run that never stopped."""
     root = tmp_path / "c"
     shutil.copytree(tree[0], root)  # (its files' times kept: the digest of the tree)
     argv = ["--data", str(root), "--checkpoint", str(tree[1])] + RESUMABLE + ["--noise-seed", "3"]
