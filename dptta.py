@@ -51,8 +51,19 @@ def need(ok, problem):
 
 # ----------------------------------------------------------------------------
 # 1. The accountant: one pass over the stream is μ-GDP with μ = 2/σ
-# NoiseStream's reach: a Box-Muller pair lies within radius √(−2 ln u1) <= √(−2 ln 2^-107)
+# NoiseStream's reach: a Box-Muller pair of its draws lies within radius √(−2 ln u1), and its
+# u1 >= 2^-107 (see NoiseStream.normal)
 NOISE_RADIUS = math.sqrt(-2 * math.log(2.0**-107))  # 12.18
+
+
+def sampler_tail(sigma):
+    """The chance, per release, that NoiseStream's cut-off tells two neighbouring worlds apart.
+    The accountant's noise has no end; the sampler's ends at radius R = NOISE_RADIUS (in units
+    of σC) for each pair of coordinates. A neighbour's release is the same sum moved by at most
+    2C, μ = 2/σ in those units: where this world's pair lies beyond R − μ (a Rayleigh tail,
+    chance exp(−(R − μ)²/2)), the neighbour could not have drawn it. The worst neighbour moves
+    one pair by all of 2C: spread over m pairs, m·exp(−(R − μ/√m)²/2) is smaller."""
+    return math.exp(-(max(NOISE_RADIUS - 2 / sigma, 0) ** 2) / 2)
 
 
 def _log_gdp_delta(eps, sigma):
@@ -100,32 +111,33 @@ def _smallest(f, lo, hi):
 
 
 def calibrate_sigma(*, eps, delta, repeats=1):
-    """The smallest σ with δ(ε) <= delta, for `repeats` releases of each unit: k releases of
-    (2/σ)-GDP compose to (2√k/σ)-GDP (ibid., Cor. 3.3), so σ = √k·σ_1. eps = inf: σ = 0.
+    """The smallest σ with δ(ε) + the sampler's tail <= delta, for `repeats` releases of each
+    unit: k releases of (2/σ)-GDP compose to (2√k/σ)-GDP (ibid., Cor. 3.3), so σ = √k·σ_1, and
+    each release may meet the sampler's cut-off (sampler_tail). eps = inf: σ = 0.
 
-    An (ε, δ) that the noise sampler cannot serve is refused. The accountant assumes Gaussian
-    noise without end; NoiseStream's ends at radius R = NOISE_RADIUS (in units of σC) for each
-    pair of coordinates. A neighbour's release is the same sum moved by 2C, μ = 2/σ in those
-    units: where this world's pair lies beyond R − μ (a Rayleigh tail, chance
-    exp(−(R − μ)²/2) per release), the neighbour could not have drawn it, and the two worlds
-    are told apart with certainty. That chance, over the unit's releases, must be at most
-    δ/1000: at δ = 1e-6, ε up to about 43; no ε at all once δ < 6e-30 (1000·e^(−R²/2))."""
+    An (ε, δ) that the sampler cannot serve is refused: the tail must stay below δ/1000, so that
+    the Gaussian keeps its δ (at δ = 1e-6: ε up to about 43; no ε at all below δ = 6e-30). Where
+    it is served, the tail is far below that: at ε = 20, 4e-18 per release."""
     need(eps > 0, f"eps must be > 0 (inf: no noise), got {eps}")
     need(0 < delta < 1, f"delta must be in (0, 1), got {delta}")
     need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
     if math.isinf(eps):
         return 0.0
-    # δ(ε) − delta, computed as gdp_delta computes δ, falls as σ grows
-    sigma = _smallest(lambda s: np.exp(_log_gdp_delta(eps, s)) - delta, 0.1, 1.0)
-    sigma = sigma * math.sqrt(repeats)
-    mu = 2 / sigma  # of one release
-    reach = repeats * math.exp(-max(NOISE_RADIUS - mu, 0) ** 2 / 2)  # the tail, all releases
-    need(reach <= delta / 1000, f"eps {eps:g} at delta {delta:g} is beyond the sampler's reach")
+    beyond = f"eps {eps:g} at delta {delta:g} is beyond the noise sampler's reach"
+    need(repeats * sampler_tail(math.inf) <= delta / 1000, beyond)  # the tail at any σ
+    k = math.sqrt(repeats)
+
+    def excess(sigma_1):  # δ(ε) + the tail − delta, computed as gdp_delta computes δ
+        return np.exp(_log_gdp_delta(eps, sigma_1)) + repeats * sampler_tail(k * sigma_1) - delta
+
+    sigma = k * _smallest(excess, 0.1, 1.0)
+    need(repeats * sampler_tail(sigma) <= delta / 1000, beyond)
     return sigma
 
 
 def gdp_epsilon(*, sigma, delta):
-    """The smallest ε with δ(ε) <= delta at noise σ; inf for σ = 0 (no noise)."""
+    """The smallest ε with δ(ε) <= delta at noise σ, for the accountant's Gaussian (pass delta
+    less the sampler's tail to count it); inf for σ = 0 (no noise)."""
     need(sigma >= 0, f"sigma must be >= 0, got {sigma}")
     need(0 < delta < 1, f"delta must be in (0, 1), got {delta}")
     if sigma == 0:
@@ -177,7 +189,7 @@ def adaptable_params(model, *, skip_top=False, per_sample=True):
     a model with BatchNorm, whose train mode mixes the samples; DPTTA passes False where
     bn="source" freezes it at its source statistics, a per-sample map."""
     batch_norms = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
-    # (its train mode mixes the samples of a batch: no per-sample gradients)
+    # its train mode mixes the samples of a batch
     need(not (per_sample and batch_norms), f'BatchNorm {batch_norms} mixes samples: bn="source"?')
     cut = _trunk_cut(model) if skip_top else None
     params = {}
@@ -306,12 +318,13 @@ class NoiseStream:
 
 # The release's lattice: the clipped sum and the noise are rounded to multiples of a power of
 # two γ with γ·√d <= η·2C, η = LATTICE (d: the release's coordinates); the noise is (1 + η)σC,
-# 0.1% more than σC (the paper's scripts round σ up by 0.3-1.7%)
+# 0.1% more than σC (the paper's scripts round σ up by 0.06-1.7%)
 LATTICE = 2.0**-10
 
 
 def at_least_fp32(t):
-    """bf16 and fp16 to fp32 (fp32 and fp64 kept): bf16 noise is too coarse to be Gaussian."""
+    """bf16 and fp16 to fp32 (fp32 and fp64 kept): losses, Δ and θ's masters need more than
+    bf16's 8 bits of mantissa (an update below 2^-8 of θ would round away)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
@@ -625,8 +638,9 @@ class DPTTA(nn.Module):
 
     .sigma is σ(ε, δ); .params θ, in fp32 (masters of a half-precision model's own);
     reset() goes back to the source (θ, optimizer, method state; never the noise);
-    flush() steps on a pending accumulate window. Move the model before building its adapter,
-    and build one adapter per model: two would share θ."""
+    flush() steps on a pending accumulate window. The adapter sets its model for good: eval
+    mode, no gradients but θ's, and with bn="train" BatchNorm on the batch's statistics. Move
+    the model before building its adapter, and build one adapter per model: two would share θ."""
 
     def __init__(
         self,
@@ -651,6 +665,7 @@ class DPTTA(nn.Module):
         name, by_gradient = method.name, method.step != "none"
         need((eps is not None) == method.private, f"eps is for dp_ methods, which need it ({name})")
         need(clip is not None or not method.private, f"{name} needs clip, C")
+        need(not (method.private and method.filter), f"{name}: a DP variant has no filter")
         need(clip is None or 0 < clip < math.inf, f"clip must be finite and > 0, got {clip}")
         good_lr = lr is not None and 0 < lr < math.inf
         need(good_lr or not by_gradient, f"{name} needs a finite lr > 0, got {lr}")
@@ -894,8 +909,12 @@ PAPER_DP = dict(
 )
 # the clip-only originals (filters kept, per-sample clip, no noise): setting -> method -> (C, lr)
 PAPER_CLIP_ONLY = dict(
-    continual=dict(tent=(0.1, 0.5), eata=(0.1, 0.5), sar=(1, 0.1), deyo=(10, 0.01), deyo_come=(20, 0.01)),
-    episodic=dict(tent=(1, 0.1), eata=(30, 5e-3), sar=(5, 0.05), deyo=(35, 5e-3), deyo_come=(20, 0.01)),
+    continual=dict(
+        tent=(0.1, 0.5), eata=(0.1, 0.5), sar=(1, 0.1), deyo=(10, 0.01), deyo_come=(20, 0.01)
+    ),
+    episodic=dict(
+        tent=(1, 0.1), eata=(30, 5e-3), sar=(5, 0.05), deyo=(35, 5e-3), deyo_come=(20, 0.01)
+    ),
 )
 PAPER_LR = dict(  # the non-private originals' lr
     continual=dict(tent=1e-4, eata=5e-4, sar=5e-3, deyo=5e-4, deyo_come=5e-4),
@@ -937,6 +956,7 @@ CORRUPTIONS = (  # ImageNet-C's 15, in the customary order
     "frost fog brightness contrast elastic_transform pixelate jpeg_compression"
 ).split()
 LAYOUT = "ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT/<wnid>/*.jpg)"
+DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"  # the paper's ViT-B/16 weights
 
 
 def is_image(path):
@@ -998,7 +1018,7 @@ def build_model(args, streams):
     try:
         model = timm.create_model(args.model, pretrained=not (args.synthetic or args.checkpoint))
     except Exception as e:  # an unknown name, no network, no cache
-        raise ValueError(f"cannot build {args.model}: {e} (offline: --checkpoint PATH)")
+        raise ValueError(f"cannot build {args.model}: {e}")
     if args.checkpoint:
         need(os.path.isfile(args.checkpoint), f"--checkpoint {args.checkpoint}: no such file")
         timm.models.load_checkpoint(model, args.checkpoint)
@@ -1050,7 +1070,7 @@ def parse_args(argv=None):
     add("--clip", type=float, help="per-sample clip C (default: the paper's)")
     add("--lr", type=float, help="SGD's learning rate (default: the paper's)")
     add("--hp", type=constant, action="append", default=[], metavar="NAME=VALUE")
-    add("--model", default="vit_base_patch16_224.augreg2_in21k_ft_in1k", help="a timm name")
+    add("--model", default=DEFAULT_MODEL, help="a timm name")
     add("--checkpoint", help="one's own weights for --model (a local file)")
     add("--data", default=os.environ.get("IMAGENET_C"), help="the root (default $IMAGENET_C)")
     add("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"))
@@ -1073,9 +1093,19 @@ def parse_args(argv=None):
     args.corruptions = args.corruptions.split(",")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch sees no GPU")
     if args.eps is None and args.method.startswith("dp_"):
         args.eps = 5.0
     return args
+
+
+# (paths as given: a run keyed by another path to the same files is another run; the device,
+# as bf16 on a GPU and fp32 on a CPU give other results)
+KEY = (
+    "method eps delta clip lr model checkpoint data dataset severity corruptions setting "
+    "batch_size accumulate bn device seed limit synthetic fisher_data"
+).split()
 
 
 def run_key(args, hp):
@@ -1089,14 +1119,6 @@ def run_key(args, hp):
     return key
 
 
-# (paths as given: a run keyed by another path to the same files is another run; the device,
-# as bf16 on a GPU and fp32 on a CPU give other results)
-KEY = (
-    "method eps delta clip lr model checkpoint data dataset severity corruptions setting "
-    "batch_size accumulate bn device seed limit synthetic fisher_data"
-).split()
-
-
 def is_paper_run(args, hp):
     """Whether a run is one of the paper's cells: its C, lr and constants the paper's, on whole
     streams of real data at the paper's δ and batch. --summarize tables the others apart."""
@@ -1108,7 +1130,10 @@ def is_paper_run(args, hp):
     whole = args.dataset == "imagenet_r" or args.corruptions == CORRUPTIONS
     real = not args.synthetic and args.limit is None and args.checkpoint is None
     plain = args.delta == 1e-6 and args.batch_size == 64 and args.accumulate == 1
-    return (args.clip, args.lr, hp) == (C, lr, paper_hp) and whole and real and plain
+    tuned = (
+        eps in (*TUNED_EPS, math.inf) and base != "come"
+    )  # (come: tent's row, no row of its own)
+    return (args.clip, args.lr, hp) == (C, lr, paper_hp) and whole and real and plain and tuned
 
 
 def read_records(path):
@@ -1146,7 +1171,7 @@ def print_header(args, adapter, source):
         print(f"privacy: ({adapter.eps:g}, {delta:g})-DP per test image | {clip}")
         print(f"  σ = {sigma:.4f}: each step, and the stream, μ-GDP with μ = 2/σ = {mu:.4f}")
         # a photo is in k streams (one per corruption), one step each: μ√k-GDP
-        eps_photo = gdp_epsilon(sigma=sigma / math.sqrt(k), delta=delta)
+        eps_photo = gdp_epsilon(sigma=sigma / math.sqrt(k), delta=delta - k * sampler_tail(sigma))
         print(f"  per photo in {k} stream(s): μ√{k} = {mu * math.sqrt(k):.4f}, ε = {eps_photo:.3g}")
         print("  noise: secret, from OS entropy")
     elif adapter.clip is not None:
@@ -1161,24 +1186,7 @@ def print_header(args, adapter, source):
 
 
 # ----------------------------------------------------------------------------
-# main: stream ImageNet-C through the adapter
-def main(argv=None):
-    sys.stdout.reconfigure(line_buffering=True)  # a progress line shows when printed
-    args = parse_args(argv)
-    if args.summarize:
-        return summarize(args.summarize)
-    if args.benchmark:
-        return benchmark(args)
-    with tempfile.TemporaryDirectory(prefix="dptta-synthetic-") as tmp:
-        try:
-            run = prepare(args, tmp)
-        except (ValueError, OSError) as e:  # the library's checks, a missing folder or file
-            fail(e)
-        if run is None:
-            return 0
-        return adapt(args, *run)
-
-
+# A run: everything checked before the first image, then the stream
 def prepare(args, tmp):
     """Every check and every choice before the first image: (adapter, loaders, key, paper),
     or None where --out holds this run's finished record already."""
@@ -1217,9 +1225,10 @@ def prepare(args, tmp):
     if args.method.endswith("eata") and args.fisher_data:
         hp = dict(hp, fisher=fisher_of(args, model, transform))
     kwargs = dict(hp, clip=args.clip, lr=args.lr, bn=args.bn, accumulate=args.accumulate)
-    if args.method.startswith("dp_"):
+    if args.eps is not None:  # (DPTTA refuses an eps for an original)
         kwargs.update(eps=args.eps, delta=args.delta)
     adapter = DPTTA(model, args.method, seed=args.seed, **kwargs)
+    open(args.out, "a").close()  # --out in a missing or read-only folder: now, not after a stream
     print_header(args, adapter, source)
     if args.method.endswith("eata"):
         print(f"  EATA's Fisher penalty: {'on' if args.fisher_data else 'off (no --fisher-data)'}")
@@ -1291,14 +1300,21 @@ def summarize(path):
             others.append(f"  {shown}  " + " ".join(f"{k}={v}" for k, v in key.items()))
             continue
         title = f"{key['dataset']} severity {key['severity']} | {key['setting']} | {key['model']}"
-        row = tables.setdefault(title, {}).setdefault(key["method"].removeprefix("dp_"), {})
+        title += f" | {key['device']}"
+        method = key["method"].removeprefix("dp_")
+        if key["fisher_data"] is not None:  # EATA with its Fisher penalty: a row of its own
+            method += "+fisher"
+        row = tables.setdefault(title, {}).setdefault(method, {})
         row[column_of(key)] = shown
     columns = ["non-private", "clip-only"] + [f"ε={e:g}" for e in (*TUNED_EPS, math.inf)]
     for title, rows in tables.items():
         used = [c for c in columns if any(c in row for row in rows.values())]
         print(f"{title} | top-1 %, mean ± std (seeds)")
         print(f"{'method':<12}" + "".join(f"{c:>20}" for c in used))
-        for method in [m.name for m in (SOURCE, *ORIGINALS) if m.name in rows]:
+        order = [
+            m.name for m in (SOURCE, *ORIGINALS)
+        ]  # the paper's row order; eata+fisher after eata
+        for method in sorted(rows, key=lambda name: (order.index(name.split("+")[0]), name)):
             print(f"{method:<12}" + "".join(f"{rows[method].get(c, '-'):>20}" for c in used))
     if others:
         print("other runs, not the paper's cells (mean ± std (seeds), key):")
@@ -1317,7 +1333,7 @@ def benchmark(args):
     name, batch, rounds = "vit_base_patch16_224", args.batch_size, 10
     if args.device == "cpu":
         name, batch, rounds = "vit_small_patch16_224", 32, 3
-    if args.model != parse_args([]).model:  # --model and --batch-size, where given
+    if args.model != DEFAULT_MODEL:  # --model and --batch-size, where given
         name, batch = args.model, args.batch_size
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(args.device)
@@ -1327,6 +1343,7 @@ def benchmark(args):
         autocast = torch.autocast("cuda", torch.bfloat16)
     # every filter open (H <= ln K < 1.01·ln K; PLPD >= −1) and no reset: full steps
     wide_open = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0)
+    wide_open.update(reset_ema=-math.inf)
     adapters = {}
     for base in ORIGINALS:
         for variant, method, kwargs in (
@@ -1338,7 +1355,6 @@ def benchmark(args):
             kwargs.update((k, v) for k, v in wide_open.items() if k in names)
             adapters[base.name, variant] = DPTTA(copy.deepcopy(model), method, lr=1e-5, **kwargs)
     times = {row: [] for row in adapters}
-    torch._C._functorch._set_vmap_fallback_enabled(False)
     for _ in range(rounds + 1):  # the first round warms up
         for row, adapter in adapters.items():
             t0 = time.perf_counter()
@@ -1347,7 +1363,6 @@ def benchmark(args):
             if args.device == "cuda":
                 torch.cuda.synchronize()
             times[row].append(time.perf_counter() - t0)
-    torch._C._functorch._set_vmap_fallback_enabled(True)
     print(f"benchmark | {name} | batch {batch} | {args.device} | {rounds} interleaved rounds")
     print(f"{'method':<12}{'plain ms':>10}{'clip-only':>11}{'DP ε=5':>9}  (median; ratio to plain)")
     for base in ORIGINALS:
@@ -1355,6 +1370,28 @@ def benchmark(args):
         clip, dp = ms["clip-only"] / ms["plain"], ms["DP ε=5"] / ms["plain"]
         print(f"{base.name:<12}{ms['plain']:>10.1f}{clip:>11.2f}{dp:>9.2f}")
     return 0
+
+
+# ----------------------------------------------------------------------------
+# main
+def main(argv=None):
+    sys.stdout.reconfigure(line_buffering=True)  # a progress line shows when printed
+    args = parse_args(argv)
+    if args.summarize:
+        if not os.path.isfile(args.summarize):
+            fail(f"--summarize {args.summarize}: no such file")
+        return summarize(args.summarize)
+    if args.benchmark:
+        return benchmark(args)
+    with tempfile.TemporaryDirectory(prefix="dptta-synthetic-") as tmp:
+        try:
+            run = prepare(args, tmp)
+        except (ValueError, OSError, RuntimeError) as e:  # the library's checks, a missing
+            # folder or file, weights that do not fit the model
+            fail(e)
+        if run is None:
+            return 0
+        return adapt(args, *run)
 
 
 if __name__ == "__main__":
