@@ -14,7 +14,7 @@ it only through θ, so the whole stream is μ-GDP with μ = 2/σ (Dong, Roth & S
 δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ). The noise is secret: drawn from a cryptographic
 stream keyed from OS entropy (a known seed would let anyone subtract it), never copied.
 
-    python dptta.py --method dp_deyo --eps 5 --synthetic 16    # a smoke run: CPU, a minute
+    python dptta.py --method dp_deyo --eps 5 --synthetic 4     # a smoke run: CPU, a minute
     python dptta.py --method dp_deyo --eps 5                   # ImageNet-C at $IMAGENET_C, GPU
     adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)  # the library: Part I
 

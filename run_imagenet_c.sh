@@ -1,21 +1,18 @@
 #!/usr/bin/env bash
-# The paper's ImageNet-C grid (severity 5, ViT-B/16, batch 64, δ = 1e-6): a dptta.py run a cell.
+# The paper's ImageNet-C grid (severity 5, ViT-B/16, batch 64, δ = 1e-6), a dptta.py run a cell:
+# 2 settings x 3 seeds x (source + 5 methods x {non-private, clip-only, ε = 20 15 10 5 1}) = 216.
 #   ./run_imagenet_c.sh --dry-run   print the cells' commands, one a line; run nothing
 #   ./run_imagenet_c.sh             run them, a worker per visible GPU (one on the CPU if none),
 #                                   then python dptta.py --summarize "$OUT"
-# 2 settings x 3 seeds x (source + 5 methods x 7 columns: non-private, clip-only, ε = 20 15 10
-# 5 1) = 216 cells. dptta.py fills in the paper's C and lr. A clip-only cell passes the paper's
-# clip-only C (an original given a clip is clip-only and takes that row's lr); the filtered runs
-# pass the constants the paper's scripts changed; a dp_ cell has no filter, so none (dptta.py's
-# PAPER_CLIP_ONLY, PAPER_CONSTANTS). --summarize tables a run whose values are the paper's.
-# Environment, lists of words for a subset (METHODS="sar deyo" VARIANTS=dp EPSILONS="5 1"):
+# dptta.py fills in the paper's C and lr; a clip-only cell passes the paper's clip-only C, and
+# the filtered runs the constants the paper's scripts changed (dptta.py's PAPER_CLIP_ONLY and
+# PAPER_CONSTANTS; a test ties the copies below to them). Environment (lists of words):
 #   METHODS (source tent eata sar deyo deyo_come), VARIANTS (plain clip dp), EPSILONS (20 15 10
-#   5 1; any number > 0), SETTINGS (continual episodic), SEEDS (0 1 2); OUT (results.jsonl,
-#   appended; dptta.py skips a cell finished there, so a rerun goes on); EXTRA (flags for every
-#   cell, e.g. "--fisher-data DIR": EATA's public clean images); PYTHON (python3, with torch and
-#   timm); IMAGENET_C (the data root, dptta.py's default --data; needed by all but --dry-run).
-# A bad value stops the grid before its first cell (exit 2). A failed cell is named, the others
-# run, and the grid exits 1 after the summary. Ctrl-C or SIGTERM stops every worker and its cell.
+#   5 1), SETTINGS (continual episodic), SEEDS (0 1 2); OUT (results.jsonl: dptta.py skips a cell
+#   finished there, so a rerun goes on); EXTRA (flags for every cell: "--fisher-data DIR");
+#   PYTHON (python3); IMAGENET_C (the data root; needed by all but --dry-run).
+# A bad value stops the grid before its first cell (exit 2); a failed cell is named, the others
+# run, and the grid exits 1 after the summary; Ctrl-C or SIGTERM stops every worker and its cell.
 set -euo pipefail
 set -f  # no globbing: a cell's and EXTRA's words reach dptta.py as --dry-run prints them
 cd "$(dirname "$0")"

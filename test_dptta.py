@@ -9,6 +9,7 @@ would make vmap loop over the samples is an error, as it would be a silent slowd
 """
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -1850,6 +1851,9 @@ def test_adapts_inside_no_grad_and_inference_mode_and_skips_an_empty_batch(metho
     (dict(method="tent", lr=0.1, bn="eval"), "bn is 'train' or 'source'"),
     (dict(method="tent", lr=0.1, accumulate=0), "accumulate must be an int >= 1"),
     (dict(method="tent", lr=0.1, accumulate=2.0), "accumulate must be an int >= 1"),
+    # a private record with a filter: replace() can make one, private() never does
+    (dict(method=dataclasses.replace(dptta.METHODS["dp_eata"], filter=dptta.eata_filter),
+          eps=5.0, clip=1.0, lr=0.1), "a DP variant has no filter"),
 ])
 def test_adapter_refuses_bad_arguments_with_one_line(kwargs, message):
     """Each misuse is a ValueError of one line that names it."""
@@ -2423,6 +2427,7 @@ CLI_BAD = {
     "unknown method": (["--method", "nope"], "--method"),
     "eps not a number": (["--eps", "abc"], "--eps"),
     "eps 0": (["--eps", "0"], "eps"),
+    "eps for an original": (["--method", "tent", "--eps", "5"], "eps"),
     "eps negative": (["--eps", "-1"], "eps"),
     "delta 2": (["--delta", "2"], "delta"),
     "clip 0": (["--clip", "0"], "clip"),
@@ -2440,6 +2445,8 @@ CLI_BAD = {
     "Fisher data inside the stream": (["DATA", "--method", "eata", "--fisher-data",
                                        "{c}/gaussian_noise/5"], "--fisher-data"),
 }
+if not torch.cuda.is_available():
+    CLI_BAD["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")
 
 
 @pytest.mark.parametrize("case", CLI_BAD, ids=list(CLI_BAD))
@@ -2461,6 +2468,17 @@ def test_cli_bad_input_is_one_line_and_exit_2_before_the_first_image(
     assert code == 2, (code, err)
     assert len(err.strip().splitlines()) == 1 and says in err, err
     assert "top-1" not in stdout and not out.exists()
+
+
+def test_cli_an_out_it_cannot_write_and_a_summary_of_no_file_are_one_line(tmp_path, capsys):
+    """--out in a missing folder is refused before the first image (not after a stream), and
+    --summarize of a missing file is one line, exit 2; the oracle: the message, no stream."""
+    out = tmp_path / "no such folder" / "r.jsonl"
+    code, stdout, err = cli_main(capsys, *CLI_SMOKE, "--out", out)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "no such folder" in err
+    assert "top-1" not in stdout
+    code, _, err = cli_main(capsys, "--summarize", tmp_path / "none.jsonl")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "none.jsonl" in err
 
 
 def test_cli_writes_a_record_per_corruption_then_the_finished_run(cli_models, capsys,
@@ -2730,6 +2748,37 @@ def test_cli_summarize_tables_the_papers_finished_runs_mean_and_std_over_seeds(t
     listed_apart = out[out.index("other runs"):]
     assert "11.1 ± 0.0 (1)" in listed_apart and "22.2 ± 0.0 (1)" in listed_apart
     assert "99.5" not in out and "3.0 ±" not in out  # the per-corruption and the redone record
+
+
+def test_only_the_papers_cells_are_paper_runs():
+    """A run is one of the paper's cells only at the paper's C, lr and constants (methods.md's
+    tables, written out here), at a tuned ε, on whole real streams: an untuned ε with its nearest
+    ε's values, COME (no row of its own) and a --limit run are not."""
+    def paper(*argv):
+        args = dptta.parse_args(["--data", "/imagenet-c", "--device", "cpu", *argv])
+        return dptta.is_paper_run(args, dict(args.hp))
+
+    assert paper("--method", "dp_tent", "--eps", "5", "--clip", "1", "--lr", "1e-3")
+    assert paper("--method", "sar", "--lr", "5e-3", "--hp", "e_margin=0.5")
+    assert paper("--method", "deyo", "--clip", "35", "--lr", "5e-3", "--hp",
+                 "plpd_threshold=0.3", "--setting", "episodic")
+    assert not paper("--method", "sar", "--lr", "5e-3")  # the originals' E0, not the paper's
+    assert not paper("--method", "dp_tent", "--eps", "4", "--clip", "1", "--lr", "1e-3")
+    assert not paper("--method", "come", "--lr", "1e-4")
+    assert not paper("--method", "tent", "--lr", "1e-4", "--limit", "10")
+    assert not paper("--method", "dp_tent", "--eps", "5", "--clip", "1", "--lr", "2e-3")
+
+
+def test_cli_summarize_gives_eata_with_its_fisher_penalty_a_row_of_its_own(tmp_path, capsys):
+    """EATA with --fisher-data and without it are two rows, never one cell averaged."""
+    records = [cli_run_record("eata", "continual", 0, 60.0, lr=5e-4),
+               cli_run_record("eata", "continual", 0, 62.0, lr=5e-4, fisher_data="/val")]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, _ = cli_main(capsys, "--summarize", path)
+    table = cli_table(out, "imagenet_c severity 5 | continual | vit_base | cuda")
+    assert code == 0 and table["eata"]["non-private"] == "60.0 ± 0.0 (1)"
+    assert table["eata+fisher"]["non-private"] == "62.0 ± 0.0 (1)"
 
 
 def test_cli_imagenet_r_scores_on_a_head_cut_to_the_classes_present(cli_tree, cli_models,
