@@ -1130,9 +1130,8 @@ def is_paper_run(args, hp):
     whole = args.dataset == "imagenet_r" or args.corruptions == CORRUPTIONS
     real = not args.synthetic and args.limit is None and args.checkpoint is None
     plain = args.delta == 1e-6 and args.batch_size == 64 and args.accumulate == 1
-    tuned = (
-        eps in (*TUNED_EPS, math.inf) and base != "come"
-    )  # (come: tent's row, no row of its own)
+    # an ε the paper tuned; not COME alone, which takes Tent's row, having none of its own
+    tuned = eps in (*TUNED_EPS, math.inf) and base != "come"
     return (args.clip, args.lr, hp) == (C, lr, paper_hp) and whole and real and plain and tuned
 
 
@@ -1282,10 +1281,11 @@ def column_of(key):
 
 
 def summarize(path):
-    """A table per (dataset, severity, setting, model) of the paper's cells: a row per method,
-    a column per variant, mean ± std over seeds; the other runs (smoke, --limit, other C, lr or
-    constants) listed apart, never in the paper's cells. A cell is the run key without the
-    seed; a key finished twice counts once (its latest record)."""
+    """A table per (dataset, severity, setting, model, device) of the paper's cells: a row per
+    method (EATA with its Fisher penalty a row of its own), a column per variant, mean ± std
+    (np.std) over seeds; the other runs (smoke, --limit, other C, lr or constants) listed apart,
+    never in the paper's cells. A cell is the run key without the seed; a key finished twice
+    counts once (its latest record)."""
     cells = {}
     for record in read_records(path):
         if isinstance(record, dict) and record.get("kind") == "run":
