@@ -143,6 +143,9 @@ GRADIENT = [m for m in dptta.METHODS if m != "source"]  # every method that step
 DP_METHODS = [m for m in dptta.METHODS if m.startswith("dp_")]
 
 
+# ----------------------------------------------------------------------------
+# 1. The accountant: δ(ε) of μ-GDP, μ = 2/σ, and its inverses
+
 # the paper's σ at δ = 1e-6, and the exact μ-GDP inverse to 4 digits (methods.md)
 PAPER_SIGMA = {20: 0.6186, 15: 0.777, 10: 1.084, 5: 1.966, 1: 8.594}
 EXACT_SIGMA = {20: 0.6182, 15: 0.7763, 10: 1.0822, 5: 1.9601, 1: 8.4494}
@@ -2210,7 +2213,7 @@ def audit_table(confidence=0.95):
     20 (white-box, 20,000 trials per world; end-to-end, 5,000), of each dp_ method at ε = 5
     end to end, and of the original tent with a clip (no noise). A few minutes on a CPU.
 
-        python -c "import sys; sys.path[:0]=['.','sections']; import test_sec_audit as t; t.audit_table()"
+        python -c "import test_dptta; test_dptta.audit_table()"
     """
     white_box, end_to_end, original = 20000, 5000, 1000
     print(f"ε_lb at {confidence:.0%} confidence (μ-GDP, Nasr et al. 2023), δ = {AUDIT_DELTA:g};")
