@@ -503,7 +503,7 @@ def eata_filter(logits, ctx, state, hp):
     keep = reliable(entropy(logits), logits, hp, "e_margin")
     p = at_least_fp32(logits).softmax(-1)
     m = state.get("m")
-    if m is not None:
+    if m is not None:  # (|·| as EATA's code has it; between softmaxes cos >= 0 anyway)
         keep = keep & (torch.cosine_similarity(m[None], p, 1).abs() < hp["d_margin"])
     if keep.any():  # m ← 0.9·m + 0.1·mean(p of kept); the first: m = mean(p of kept)
         mean = p[keep].mean(0)
