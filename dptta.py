@@ -876,6 +876,7 @@ class DPTTA(nn.Module):
 # Part II: the paper's tuned values, and ImageNet-C from the command line
 import argparse
 import copy
+import functools
 import json
 import sys
 import tempfile
@@ -965,15 +966,21 @@ def is_image(path):
     return name.lower().endswith(IMG_EXTENSIONS) and not name.startswith(".")
 
 
+@functools.cache
+def imagenet_index():
+    """{WordNet id: its ImageNet-1k index}, read once from timm's class list."""
+    return {wnid: i for i, wnid in enumerate(timm.data.ImageNetInfo().label_names())}
+
+
 def wnid_folder(root, imagenet_labels=True):
     """An ImageFolder of <wnid>/ class folders. imagenet_labels: each image's label is its
     WordNet id's ImageNet-1k index (ImageNet-C, any subset of the classes); else the index of
     its folder among those present (ImageNet-R, scored on a head of those classes)."""
     folder = ImageFolder(root, is_valid_file=is_image)  # refuses a missing or empty folder
-    wnids = timm.data.ImageNetInfo().label_names()
-    unknown = [c for c in folder.classes if c not in wnids]
+    index = imagenet_index()
+    unknown = [c for c in folder.classes if c not in index]
     need(not unknown, f"{root}: not ImageNet-1k WordNet ids: {unknown}; expected {LAYOUT}")
-    folder.imagenet_index = [wnids.index(c) for c in folder.classes]
+    folder.imagenet_index = [index[c] for c in folder.classes]
     if imagenet_labels:
         folder.samples = [(path, folder.imagenet_index[y]) for path, y in folder.samples]
     return folder
@@ -992,7 +999,7 @@ def keep_classes(model, classes):
 
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     """An ImageNet-C-shaped tree of random JPEGs, n per corruption over 10 wnids (smoke runs)."""
-    wnids, rng = timm.data.ImageNetInfo().label_names()[:10], np.random.default_rng(seed)
+    wnids, rng = list(imagenet_index())[:10], np.random.default_rng(seed)
     for c in corruptions:
         for i in range(n):
             folder = os.path.join(root, c, str(severity), wnids[i % len(wnids)])
@@ -1213,12 +1220,11 @@ def prepare(args, tmp):
     streams = open_streams(args)
     model = build_model(args, streams)
     transform = timm.data.create_transform(**timm.data.resolve_data_config({}, model=model))
-    loaders = []
+    loaders, cuda = [], args.device == "cuda"
     for corruption, folder in streams:
         folder.transform = transform
         order = torch.randperm(len(folder), generator=torch.Generator().manual_seed(args.seed))
         images = Subset(folder, order[: args.limit].tolist())
-        cuda = args.device == "cuda"
         loader = DataLoader(images, args.batch_size, num_workers=args.workers, pin_memory=cuda)
         loaders.append((corruption, loader))
     if args.method.endswith("eata") and args.fisher_data:
@@ -1307,13 +1313,11 @@ def summarize(path):
         row = tables.setdefault(title, {}).setdefault(method, {})
         row[column_of(key)] = shown
     columns = ["non-private", "clip-only"] + [f"ε={e:g}" for e in (*TUNED_EPS, math.inf)]
+    order = [m.name for m in (SOURCE, *ORIGINALS)]  # the paper's rows; eata+fisher after eata
     for title, rows in tables.items():
         used = [c for c in columns if any(c in row for row in rows.values())]
         print(f"{title} | top-1 %, mean ± std (seeds)")
         print(f"{'method':<12}" + "".join(f"{c:>20}" for c in used))
-        order = [
-            m.name for m in (SOURCE, *ORIGINALS)
-        ]  # the paper's row order; eata+fisher after eata
         for method in sorted(rows, key=lambda name: (order.index(name.split("+")[0]), name)):
             print(f"{method:<12}" + "".join(f"{rows[method].get(c, '-'):>20}" for c in used))
     if others:
