@@ -30,6 +30,8 @@ import hashlib
 import math
 import os
 import re
+import threading
+import warnings
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable
@@ -54,16 +56,27 @@ def need(ok, problem):
 # NoiseStream's reach: a Box-Muller pair of its draws lies within radius √(−2 ln u1), and its
 # u1 >= 2^-107 (see NoiseStream.normal)
 NOISE_RADIUS = math.sqrt(-2 * math.log(2.0**-107))  # 12.18
+# The release's size d is at most this (clip_and_noise refuses more): its m <= d/2 pairs bound
+# the sampler's tail, and its resolution (below) is checked to 1e6 coordinates
+MAX_COORDINATES = 10**6
+# The accountant's floors. NoiseStream's u1 lies on a grid of 2^-106: near its reach the radii
+# it can draw thin out, and at a large σ some lattice points of the release go unreached. Their
+# chance is below 1e-18 for ε >= 1e-3 and d <= 1e6 (at most √(d/2)·e^(−r²/2), r the radius from
+# which the grid's steps exceed half a lattice step), far below δ/1000 for δ >= 1e-12
+MIN_EPS, MIN_DELTA = 1e-3, 1e-12
 
 
 def sampler_tail(sigma):
     """The chance, per release, that NoiseStream's cut-off tells two neighbouring worlds apart.
     The accountant's noise has no end; the sampler's ends at radius R = NOISE_RADIUS (in units
-    of σC) for each pair of coordinates. A neighbour's release is the same sum moved by at most
-    2C, μ = 2/σ in those units: where this world's pair lies beyond R − μ (a Rayleigh tail,
-    chance exp(−(R − μ)²/2)), the neighbour could not have drawn it. The worst neighbour moves
-    one pair by all of 2C: spread over m pairs, m·exp(−(R − μ/√m)²/2) is smaller."""
-    return math.exp(-(max(NOISE_RADIUS - 2 / sigma, 0) ** 2) / 2)
+    of σC) for each pair of coordinates. A neighbour's release is the same sum moved by a vector
+    of norm at most 2C, μ = 2/σ in those units, s_k on pair k (Σ s_k² <= μ²): where this world's
+    pair k lies between R − s_k and R, the neighbour could not have drawn it. That chance,
+    e^(−(R − s_k)²/2) − e^(−R²/2), is convex in s_k below R − 1, so at most s_k/μ times its
+    value at μ; summed over the m <= d/2 pairs, Σ s_k <= √m·μ: at most √(d/2)·e^(−(R − μ)²/2).
+    (A shift spread over many pairs is the worse case where μ is small: √m·s beats m·s²/2.)"""
+    spread = math.sqrt(MAX_COORDINATES / 2)
+    return spread * math.exp(-(max(NOISE_RADIUS - 2 / sigma, 0) ** 2) / 2)
 
 
 def _log_gdp_delta(eps, sigma):
@@ -73,17 +86,20 @@ def _log_gdp_delta(eps, sigma):
     D = log Φ(a) − ε − log Φ(a − μ) > 0. Where δ is far below Φ(a), D is small and that
     difference of logs has lost its digits; then D is integrated instead,
     D = ∫_{a−μ}^{a} (φ(u)/Φ(u) + u) du (the derivative of log Φ(u) + u²/2, whose difference
-    between the ends is D), by a 16-point Gauss-Legendre rule, exact to rounding."""
+    between the ends is D), by a 16-point Gauss-Legendre rule, with φ/Φ = √(2/π)/erfcx(−u/√2)
+    to a few ulps at any u (a ratio of exponentials would lose them all far out, to NaN)."""
     mu = 2 / sigma
     a = -eps / mu + mu / 2
-    log_phi_a = special.log_ndtr(a)
-    D = log_phi_a - eps - special.log_ndtr(a - mu)
+    log_phi_a = float(special.log_ndtr(a))  # (Python floats: no numpy warning on inf − inf)
+    D = log_phi_a - eps - float(special.log_ndtr(a - mu))
     if D < 0.1:
         nodes, weights = np.polynomial.legendre.leggauss(16)
         u = a - mu / 2 + nodes * mu / 2  # [a − μ, a] mapped to Legendre's [−1, 1]: du = μ/2 dt
-        mills = np.exp(-(u**2) / 2 - math.log(2 * math.pi) / 2 - special.log_ndtr(u))  # φ(u)/Φ(u)
-        D = mu / 2 * np.sum(weights * (mills + u))
-    return log_phi_a + np.log(-np.expm1(-D))
+        mills = math.sqrt(2 / math.pi) / special.erfcx(-u / math.sqrt(2))  # φ(u)/Φ(u)
+        D = mu / 2 * float(np.sum(weights * (mills + u)))
+    if log_phi_a == -math.inf or not D > 0:  # δ is 0 to float64 (or a beyond its range)
+        return -math.inf
+    return log_phi_a + math.log(-math.expm1(-D))
 
 
 def gdp_delta(*, eps, sigma):
@@ -116,23 +132,25 @@ def calibrate_sigma(*, eps, delta, repeats=1):
     each release may meet the sampler's cut-off (sampler_tail). eps = inf: σ = 0.
 
     An (ε, δ) that the sampler cannot serve is refused: the tail must stay below δ/1000, so that
-    the Gaussian keeps its δ (at δ = 1e-6: ε up to about 43; no ε at all below δ = 6e-30). Where
-    it is served, the tail is far below that: at ε = 20, 4e-18 per release."""
-    need(eps > 0, f"eps must be > 0 (inf: no noise), got {eps}")
-    need(0 < delta < 1, f"delta must be in (0, 1), got {delta}")
+    the Gaussian keeps its δ (at δ = 1e-6: ε up to about 34), and ε and δ must be above the
+    sampler's resolution (MIN_EPS, MIN_DELTA). Where it is served, the tail is far below that:
+    at ε = 20, 3e-15 per release."""
+    need(eps >= MIN_EPS, f"eps must be >= {MIN_EPS:g} (inf: no noise), got {eps}")
+    need(MIN_DELTA <= delta < 1, f"delta must be in [{MIN_DELTA:g}, 1), got {delta}")
     need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
     if math.isinf(eps):
         return 0.0
-    beyond = f"eps {eps:g} at delta {delta:g} is beyond the noise sampler's reach"
-    need(repeats * sampler_tail(math.inf) <= delta / 1000, beyond)  # the tail at any σ
     k = math.sqrt(repeats)
 
     def excess(sigma_1):  # δ(ε) + the tail − delta, computed as gdp_delta computes δ
-        return np.exp(_log_gdp_delta(eps, sigma_1)) + repeats * sampler_tail(k * sigma_1) - delta
+        return math.exp(_log_gdp_delta(eps, sigma_1)) + repeats * sampler_tail(k * sigma_1) - delta
 
-    sigma = k * _smallest(excess, 0.1, 1.0)
-    need(repeats * sampler_tail(sigma) <= delta / 1000, beyond)
-    return sigma
+    # the least σ whose tail is below δ/1000: R − 2/σ = √(2 ln(1000·repeats·√(d/2)/δ))
+    room = 2 * math.log(1000 * repeats * math.sqrt(MAX_COORDINATES / 2) / delta)
+    mu_max = NOISE_RADIUS - math.sqrt(room)
+    beyond = f"eps {eps:g} at delta {delta:g} is beyond the noise sampler's reach"
+    need(mu_max > 0 and excess(2 / (k * mu_max)) >= 0, beyond)  # else σ(ε) < that least σ
+    return k * _smallest(excess, 2 / (k * mu_max), 4 / (k * mu_max))
 
 
 def gdp_epsilon(*, sigma, delta):
@@ -165,20 +183,26 @@ def couples_samples(module):
 def refuse_coupled_samples(model):
     """A ValueError naming the model's BatchNorm layers that couple the samples, if any."""
     coupled = [n for n, m in model.named_modules() if couples_samples(m)]
-    need(not coupled, f"BatchNorm {coupled} normalizes with the batch: no per-sample gradients")
+    fix = 'bn="source" and BatchNorm running statistics (a host\'s Tent removes them: reload)'
+    need(not coupled, f"{fix}: per-sample gradients, but {coupled} normalize with the batch")
 
 
-def _trunk_cut(model):
+def _trunk_cut(model, prefix=""):
     """The name of the module where the trunk's top starts; SAR and DeYO adapt the norms
     registered before it: all but the last 3 `blocks` of a timm ViT (ViT-B/16: blocks 0-8, as
-    SAR and DeYO adapt), all but a ResNet's last layerN (layer4). None, for any other model:
-    every norm is adapted."""
+    SAR and DeYO adapt), all but a ResNet's last layerN (layer4). A wrapper (a normalizer and
+    the model, a module holding .model) is looked through to the one child that holds every
+    parameter. None where there is no such trunk."""
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, nn.Sequential) and len(blocks) > 3:
-        return f"blocks.{len(blocks) - 3}"
+        return f"{prefix}blocks.{len(blocks) - 3}"
     layers = [name for name, _ in model.named_children() if re.fullmatch(r"layer\d+", name)]
     if len(layers) > 1:
-        return max(layers, key=lambda name: int(name[5:]))
+        return prefix + max(layers, key=lambda name: int(name[5:]))
+    holders = [(name, c) for name, c in model.named_children() if list(c.parameters())]
+    if len(holders) == 1:
+        name, child = holders[0]
+        return _trunk_cut(child, f"{prefix}{name}.")
     return None
 
 
@@ -190,8 +214,11 @@ def adaptable_params(model, *, skip_top=False, per_sample=True):
     bn="source" freezes it at its source statistics, a per-sample map."""
     batch_norms = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
     # its train mode mixes the samples of a batch
-    need(not (per_sample and batch_norms), f'BatchNorm {batch_norms} mixes samples: bn="source"?')
+    fix = 'bn="source" freezes BatchNorm at its source statistics'
+    need(not (per_sample and batch_norms), f"{fix}: per-sample, but {batch_norms} mix samples")
     cut = _trunk_cut(model) if skip_top else None
+    if skip_top and cut is None:
+        warnings.warn("no trunk (timm's `blocks`, a ResNet's layerN) found: every norm adapts")
     params = {}
     for name, module in model.named_modules():
         if name == cut:
@@ -262,16 +289,31 @@ def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
     kernels = contextlib.nullcontext()
     if x.device.type == "cpu":  # fused CPU attention cannot batch even its forward
         kernels = sdpa_kernel(SDPBackend.MATH)
+    # nn.AdaptiveAvgPool2d of a channels-last input (torchvision's ConvNeXt and Swin) takes the
+    # mean, then restrides it in place (aten::as_strided_), which vmap cannot batch: given the
+    # same values in contiguous memory, it takes the mean alone
+    pools = [m for m in model.modules() if isinstance(m, nn.AdaptiveAvgPool2d)]
+    hooks = [m.register_forward_pre_hook(lambda m, args: (args[0].contiguous(),)) for m in pools]
     mha, functorch = torch.backends.mha, torch._C._functorch
     fast_path, fallback = mha.get_fastpath_enabled(), functorch._is_vmap_fallback_enabled()
     mha.set_fastpath_enabled(False)
     functorch._set_vmap_fallback_enabled(False)
     try:
         with kernels:
-            return batched_pass()
+            try:
+                return batched_pass()
+            except RuntimeError as e:  # an op with no batching rule: vmap's loop, exact, said
+                op = re.search(r"(\S+) hit the vmap fallback", str(e))
+                if op is None:
+                    raise
+                warnings.warn(f"{op[1]} has no vmap batching rule: vmap runs it once per sample")
+                functorch._set_vmap_fallback_enabled(True)
+                return batched_pass()
     finally:
         mha.set_fastpath_enabled(fast_path)
         functorch._set_vmap_fallback_enabled(fallback)
+        for hook in hooks:
+            hook.remove()
 
 
 # ----------------------------------------------------------------------------
@@ -292,16 +334,21 @@ class NoiseStream:
     seed: an exact replay for tests, NOT private against anyone who knows the seed."""
 
     def __init__(self, seed=None):
-        self.key = os.urandom(32)
-        if seed is not None:  # a replay: NOT private
-            self.key = hashlib.sha256(b"dptta noise seed %d" % seed).digest()
+        self.key, self.pid = os.urandom(32), os.getpid()
+        if seed is not None:  # a replay: NOT private, and replayed in a forked child too
+            self.key, self.pid = hashlib.sha256(b"dptta noise seed %d" % seed).digest(), None
         self.blocks = 0
+        self.lock = threading.Lock()
 
     def normal(self, n, device="cpu", dtype=torch.float32):
         """The next block: n draws of N(0, 1), by Box-Muller in float64 on uniforms u1 of 106
         random bits (so that the radius reaches NOISE_RADIUS) and u2 of 53."""
-        block = hashlib.shake_256(self.key + self.blocks.to_bytes(8, "little"))
-        self.blocks += 1
+        with self.lock:  # two threads never read one block number
+            if self.pid not in (None, os.getpid()):  # a forked child: its parent's key, blocks
+                self.key, self.pid = os.urandom(32), os.getpid()  # and noise, unless re-keyed
+            number = self.blocks
+            self.blocks += 1
+        block = hashlib.shake_256(self.key + number.to_bytes(8, "little"))
         pairs = (n + 1) // 2
         words = np.frombuffer(block.digest(24 * pairs), np.uint64) >> np.uint64(11)  # 53 bits
         high, low, angle_bits = words.astype(np.float64).reshape(3, pairs)
@@ -359,8 +406,10 @@ def clip_and_noise(grads, clip, sigma, noise_stream):
     # 1 + η keeps μ = 2/σ. A zero is +0.0: −0.0 would show that S_γ rounded from below.
     if sigma > 0:
         sizes = [t.numel() for t in totals.values()]
+        d = sum(sizes)
+        need(d <= MAX_COORDINATES, f"{d} coordinates: the noise's accountant holds to 1e6")
         # γ: the largest power of two with γ·√d <= η·2C
-        gamma = 2.0 ** math.floor(math.log2(2 * LATTICE * clip / math.sqrt(sum(sizes))))
+        gamma = 2.0 ** math.floor(math.log2(2 * LATTICE * clip / math.sqrt(d)))
         scale = (1 + LATTICE) * sigma * clip / gamma  # the noise's standard deviation, in γ
         device = next(iter(totals.values())).device
         # one block of the stream for the whole release
@@ -546,22 +595,37 @@ def fisher_penalty(theta, theta0, hp):
     return {n: 2 * hp["fisher_lambda"] * hp["fisher"][n] * d for n, d in drift.items()}
 
 
-def fisher_information(model, params, images, n=2000):
+def fisher_information(model, params, images, n=2000, bn="train"):
     """EATA's F on n clean images, as EATA's code computes it: the mean over batches of the
     squared gradient of the batch's mean CE(f(x), argmax f(x)) (a batch's gradient squared,
-    not each sample's). Pass it to the DPTTA of eata or dp_eata as the constant fisher."""
+    not each sample's). Pass it to the DPTTA of eata or dp_eata as the constant fisher.
+
+    images: batches x, or a loader's (x, y). BatchNorm normalizes as the adapter's will: with
+    each batch's statistics (bn="train", as EATA's code) or its source ones (bn="source"). The
+    model is left as it was found: its modes, and its running statistics (a BatchNorm in train
+    mode updates copies of them)."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()  # no dropout
+    for m in model.modules():
+        if isinstance(m, BATCH_NORM) and bn == "train":
+            m.train()
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
     p = {k: t.detach().requires_grad_() for k, t in params.items()}
     fisher = {k: torch.zeros_like(t) for k, t in p.items()}
     batches, seen = 0, 0
     for x in images:
-        x = x[: n - seen]
-        logits = logits_of(functional_call(model, p, (x,)))
+        if isinstance(x, (list, tuple)):  # a loader's (x, y)
+            x = x[0]
+        x = x[: n - seen].to(next(iter(p.values())).device)
+        logits = logits_of(functional_call(model, (p, buffers), (x,)))
         loss = F.cross_entropy(logits, logits.argmax(1))
         for k, g in zip(p, torch.autograd.grad(loss, list(p.values()))):
             fisher[k] += g**2
         batches, seen = batches + 1, seen + len(x)
         if seen >= n:
             break
+    for m, mode in modes.items():
+        m.training = mode
     return {k: f / batches for k, f in fisher.items()}
 
 
@@ -655,6 +719,7 @@ class DPTTA(nn.Module):
         accumulate=1,
         seed=0,
         noise_seed=None,
+        optimizer=None,
         **constants,
     ):
         super().__init__()
@@ -667,8 +732,12 @@ class DPTTA(nn.Module):
         need(clip is not None or not method.private, f"{name} needs clip, C")
         need(not (method.private and method.filter), f"{name}: a DP variant has no filter")
         need(clip is None or 0 < clip < math.inf, f"clip must be finite and > 0, got {clip}")
-        good_lr = lr is not None and 0 < lr < math.inf
-        need(good_lr or not by_gradient, f"{name} needs a finite lr > 0, got {lr}")
+        need(lr is None or optimizer is None, "lr is the default SGD's: give lr or optimizer")
+        if optimizer is None:  # every original's SGD; its lr updates fp32 θ, so fits float32
+            fits = lr is not None and 0 < lr < torch.finfo(torch.float32).max
+            need(fits or not by_gradient, f"{name} needs a finite lr > 0 (in float32), got {lr}")
+            optimizer = partial(torch.optim.SGD, lr=lr, momentum=0.9)
+        self.make_optimizer = optimizer
         need(bn in ("train", "source"), "bn is 'train' or 'source'")
         need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         self.hp = {**method.constants, **method.filter_constants}
@@ -691,6 +760,8 @@ class DPTTA(nn.Module):
                 if isinstance(m, BATCH_NORM):
                     m.train()
                     m.track_running_stats = False
+        if clip is not None or bn == "source":  # as a host's Tent may have left it: refused
+            refuse_coupled_samples(model)
         # θ: fp32 masters of bf16/fp16 parameters (bf16 rounds away an update below 2^-8)
         self.params = {n: at_least_fp32(p).requires_grad_() for n, p in self.model_params.items()}
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
@@ -706,7 +777,7 @@ class DPTTA(nn.Module):
         self._set_theta(self.theta0)
         self.opt = None  # (source: nothing to step)
         if self.params:
-            self.opt = torch.optim.SGD(self.params.values(), lr=self.lr, momentum=0.9)
+            self.opt = self.make_optimizer(self.params.values())
         self.state, self.window = {}, []
 
     @torch.no_grad()
@@ -864,7 +935,7 @@ class DPTTA(nn.Module):
         window is refused: a copy would step on its images too (two releases)."""
         pending = f"{len(self.window)} pending accumulate batch(es)"
         need(not self.window, f"an adapter with {pending}: flush() before copying or pickling it")
-        return dict(super().__getstate__(), noise=None)
+        return dict(super().__getstate__(), noise=None, window=[])  # copy.copy: a window of its own
 
     def __setstate__(self, state):
         """A copy draws its noise from a stream of its own, keyed from the OS."""
@@ -878,9 +949,12 @@ import argparse
 import copy
 import functools
 import json
+import platform
+import signal
 import sys
 import tempfile
 import time
+import urllib.request
 
 import timm
 from PIL import Image
@@ -957,13 +1031,30 @@ CORRUPTIONS = (  # ImageNet-C's 15, in the customary order
     "frost fog brightness contrast elastic_transform pixelate jpeg_compression"
 ).split()
 LAYOUT = "ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT/<wnid>/*.jpg)"
+STREAM_IMAGES = dict(imagenet_c=50_000, imagenet_r=30_000)  # a whole stream: a paper cell's
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"  # the paper's ViT-B/16 weights
 
 
-def is_image(path):
-    """An image file, not a hidden one (macOS' ._ twins, .DS_Store)."""
-    name = os.path.basename(path)
-    return name.lower().endswith(IMG_EXTENSIONS) and not name.startswith(".")
+class UnreadableImage(OSError):
+    """An image file that PIL cannot read (empty, truncated, corrupt): the run stops."""
+
+
+def read_image(path):
+    """ImageFolder's loader: the image in RGB, or UnreadableImage naming its file (found where
+    the image is opened anyway: nothing is read twice)."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except Exception as e:  # PIL raises many kinds, a truncated file's without its name
+        raise UnreadableImage(f"{path}: {e}") from None
+
+
+class WnidFolder(ImageFolder):
+    """An ImageFolder whose classes are its folders but hidden ones (.ipynb_checkpoints)."""
+
+    def find_classes(self, directory):
+        classes = [c for c in super().find_classes(directory)[0] if not c.startswith(".")]
+        return classes, {c: i for i, c in enumerate(classes)}
 
 
 @functools.cache
@@ -973,10 +1064,15 @@ def imagenet_index():
 
 
 def wnid_folder(root, imagenet_labels=True):
-    """An ImageFolder of <wnid>/ class folders. imagenet_labels: each image's label is its
+    """A WnidFolder of <wnid>/ class folders. imagenet_labels: each image's label is its
     WordNet id's ImageNet-1k index (ImageNet-C, any subset of the classes); else the index of
     its folder among those present (ImageNet-R, scored on a head of those classes)."""
-    folder = ImageFolder(root, is_valid_file=is_image)  # refuses a missing or empty folder
+
+    def is_image(path):  # an image file, with no hidden part (macOS' ._ twins, .DS_Store)
+        parts = os.path.relpath(path, root).split(os.sep)
+        return path.lower().endswith(IMG_EXTENSIONS) and not any(p.startswith(".") for p in parts)
+
+    folder = WnidFolder(root, loader=read_image, is_valid_file=is_image)  # refuses an empty one
     index = imagenet_index()
     unknown = [c for c in folder.classes if c not in index]
     need(not unknown, f"{root}: not ImageNet-1k WordNet ids: {unknown}; expected {LAYOUT}")
@@ -1009,80 +1105,133 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
 
 
 def open_streams(args):
-    """(corruption, its ImageFolder) for each stream: every folder opened before the first image."""
+    """(corruption, its ImageFolder) for each stream: every folder opened before the first
+    image, and no file in the run twice (a linked class folder would release its images twice
+    under a claim that counts each once)."""
     if args.dataset == "imagenet_r":
-        return [("imagenet_r", wnid_folder(args.data, imagenet_labels=False))]
-    streams = []
-    for corruption in args.corruptions:
-        root = os.path.join(args.data, corruption, str(args.severity))
-        streams.append((corruption, wnid_folder(root)))
+        streams = [("imagenet_r", wnid_folder(args.data, imagenet_labels=False))]
+    else:
+        roots = [os.path.join(args.data, c, str(args.severity)) for c in args.corruptions]
+        streams = [(c, wnid_folder(root)) for c, root in zip(args.corruptions, roots)]
+    seen = {}  # (device, inode) -> the path it was first seen by: the same file, however linked
+    for _, folder in streams:
+        for path, _ in folder.samples:
+            stat = os.stat(path)
+            if (stat.st_dev, stat.st_ino) in seen:
+                first = seen[stat.st_dev, stat.st_ino]
+                raise ValueError(f"{path} is {first} again (a link?): each image once a run")
+            seen[stat.st_dev, stat.st_ino] = path
     return streams
 
 
 def build_model(args, streams):
     """The timm model: the Hub's weights, --checkpoint's, or random ones for a smoke run."""
     torch.manual_seed(args.seed)  # a smoke run's random weights
+    pretrained = not (args.synthetic or args.checkpoint)
+    if pretrained and not os.environ.get("HF_HUB_OFFLINE"):  # the Hub's retries take a minute
+        hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        try:
+            urllib.request.urlopen(urllib.request.Request(hub, method="HEAD"), timeout=10)
+        except OSError as e:
+            offline = "HF_HUB_OFFLINE=1 (weights in the Hugging Face cache) or --checkpoint"
+            raise ValueError(f"cannot reach {hub} for {args.model}'s weights ({e}): {offline}")
     try:
-        model = timm.create_model(args.model, pretrained=not (args.synthetic or args.checkpoint))
-    except Exception as e:  # an unknown name, no network, no cache
-        raise ValueError(f"cannot build {args.model}: {e}")
+        model = timm.create_model(args.model, pretrained=pretrained)
+    except Exception as e:  # an unknown name, weights not in the cache
+        raise ValueError(f"cannot build {args.model}: {first_line(e)}")
     if args.checkpoint:
         need(os.path.isfile(args.checkpoint), f"--checkpoint {args.checkpoint}: no such file")
-        timm.models.load_checkpoint(model, args.checkpoint)
+        try:
+            timm.models.load_checkpoint(model, args.checkpoint)
+        except Exception as e:  # not a checkpoint, or another model's
+            raise ValueError(f"--checkpoint {args.checkpoint} is no {args.model}: {first_line(e)}")
     if args.dataset == "imagenet_r":
         keep_classes(model, streams[0][1].imagenet_index)
     return model.to(args.device)
 
 
 def fisher_of(args, model, transform):
-    """EATA's Fisher information on --fisher-data's clean images; they must be public, and
-    are refused inside the test data's root."""
+    """EATA's Fisher information on --fisher-data's clean images. They must be public:
+    disjoint from the test photos, so not inside the test data's root, and not ImageNet's
+    validation images, which ImageNet-C is made from (ImageNet's train images are)."""
     data, clean = os.path.realpath(args.data), os.path.realpath(args.fisher_data)
     need(os.path.commonpath([data, clean]) != data, "--fisher-data lies inside --data: not public")
     folder = wnid_folder(args.fisher_data)
     folder.transform = transform
     loader = DataLoader(folder, args.batch_size, shuffle=True, num_workers=args.workers)
-    batches = (x.to(args.device) for x, _ in loader)
-    return fisher_information(model, adaptable_params(model, per_sample=False), batches)
+    return fisher_information(model, adaptable_params(model, per_sample=False), loader, bn=args.bn)
 
 
 # ----------------------------------------------------------------------------
 # The command line
+def first_line(error):
+    """An exception's message, cut to its first line (torch's and timm's run to 150)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def fail(message):
     """A mistake in the input: one line, and exit 2 (argparse's own errors too)."""
-    print(f"dptta.py: error: {message}", file=sys.stderr)
+    print(f"dptta.py: error: {first_line(message)}", file=sys.stderr)
     sys.exit(2)
 
 
-def positive_int(text):
+def stop(code, what):
+    """A run stopped after its first image: one line, and no run record."""
+    print(f"dptta.py: {what}; no run record written", file=sys.stderr)
+    return code
+
+
+def positive_int(text, most=None):
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < 1 or (most is not None and value > most):
+        raise argparse.ArgumentTypeError(f"must be in [1, {most or 'inf'}], got {value}")
     return value
 
 
-def constant(text):
-    """--hp NAME=VALUE: (name, number); DPTTA refuses a name that its method does not read."""
+def epsilon(text):
+    """--eps: a float, where inf (no noise) is written, not reached by overflow (1e400)."""
+    value = float(text)
+    if math.isinf(value) and "inf" not in text.lower():
+        raise argparse.ArgumentTypeError(f"{text} overflows a float (inf: no noise)")
+    return value
+
+
+def hp_value(text):
+    """--hp NAME=VALUE: (name, a number in its domain): counts are ints >= 1, rho >= 0, the
+    margins any number but NaN (±inf opens a filter). DPTTA refuses a name its method lacks."""
     name, _, value = text.partition("=")
-    return name, json.loads(value)
+    value = json.loads(value)
+    if name == "fisher":
+        raise argparse.ArgumentTypeError("fisher is EATA's, from --fisher-data")
+    if name in ("num_classes", "patch_grid"):  # counts
+        good = type(value) is int and value >= 1
+    elif name == "rho":
+        good = type(value) in (int, float) and value >= 0
+    else:  # margins, thresholds, λ: any number but NaN
+        good = type(value) in (int, float) and not math.isnan(value)
+    if not good:
+        raise argparse.ArgumentTypeError(f"{text}: not a value of {name}")
+    return name, value
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="DP test-time adaptation on ImageNet-C")
     ap.error = fail
     add = ap.add_argument
+    # (None: not given. A flag that means nothing for a run is refused, not recorded)
     add("--method", default="dp_tent", choices=list(METHODS))
-    add("--eps", type=float, help="ε of a dp_ method (default 5; inf: clip only, no noise)")
-    add("--delta", type=float, default=1e-6, help="δ of a dp_ method")
+    add("--eps", type=epsilon, help="ε of a dp_ method (default 5; inf: clip only, no noise)")
+    add("--delta", type=float, help="δ of a dp_ method (default 1e-6)")
     add("--clip", type=float, help="per-sample clip C (default: the paper's)")
     add("--lr", type=float, help="SGD's learning rate (default: the paper's)")
-    add("--hp", type=constant, action="append", default=[], metavar="NAME=VALUE")
+    add("--hp", type=hp_value, action="append", default=[], metavar="NAME=VALUE")
     add("--model", default=DEFAULT_MODEL, help="a timm name")
     add("--checkpoint", help="one's own weights for --model (a local file)")
-    add("--data", default=os.environ.get("IMAGENET_C"), help="the root (default $IMAGENET_C)")
+    add("--data", help="the root (default $IMAGENET_C)")
     add("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"))
-    add("--severity", type=int, default=5, choices=range(1, 6))
-    add("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, in order")
+    add("--severity", type=int, choices=range(1, 6), help="ImageNet-C's (default 5)")
+    add("--corruptions", help="comma-separated, in order (default ImageNet-C's 15)")
     add("--setting", default="continual", choices=("continual", "episodic"))
     add("--batch-size", type=positive_int, default=64)
     add("--accumulate", type=positive_int, default=1, help="a step per K batches")
@@ -1092,24 +1241,47 @@ def parse_args(argv=None):
     add("--workers", type=int, default=min(8, os.cpu_count()), help="the loader's processes")
     add("--limit", type=positive_int, help="images per corruption")
     add("--out", help="JSON lines, appended (default results.jsonl; smoke: results-smoke.jsonl)")
-    add("--fisher-data", help="EATA: public clean images in <wnid>/ folders")
-    add("--synthetic", type=positive_int, metavar="N", help="a smoke run: N random images each")
+    fisher = "EATA: public clean images in <wnid>/ folders, none of them a test photo's (so not"
+    add("--fisher-data", help=fisher + " ImageNet val, which ImageNet-C is made from: train is)")
+    smoke = partial(positive_int, most=1000)
+    add("--synthetic", type=smoke, metavar="N", help="a smoke run: N random images each")
     add("--summarize", metavar="JSONL", help="the paper's tables from a results file")
     add("--benchmark", action="store_true", help="time each method's plain, clip-only, DP step")
     args = ap.parse_args(argv)
+    private, method = args.method.startswith("dp_"), args.method.removeprefix("dp_")
+    for given, why in [  # a flag given that means nothing for this run: refused, not recorded
+        (args.delta is not None and not private, f"--delta is a dp_ method's, not {method}'s"),
+        (args.clip is not None and args.method == "source", "--clip means nothing for source"),
+        (args.fisher_data is not None and method != "eata", "--fisher-data is EATA's alone"),
+        (args.severity is not None and args.dataset == "imagenet_r", "--severity: ImageNet-C's"),
+        (args.corruptions is not None and args.dataset == "imagenet_r", "--corruptions: C's"),
+        (args.data is not None and args.synthetic, "--data with --synthetic: it makes its own"),
+    ]:
+        if given:
+            ap.error(why)
+    if args.delta is None:
+        args.delta = 1e-6
+    if args.severity is None:
+        args.severity = 5
+    if args.corruptions is None:
+        args.corruptions = ",".join(CORRUPTIONS)
     args.corruptions = args.corruptions.split(",")
+    if len(set(args.corruptions)) < len(args.corruptions):
+        ap.error(f"--corruptions names one twice ({','.join(args.corruptions)}): its images twice")
+    if args.data is None and not args.synthetic:
+        args.data = os.environ.get("IMAGENET_C")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda, but torch sees no GPU")
-    if args.eps is None and args.method.startswith("dp_"):
+    if args.eps is None and private:
         args.eps = 5.0
     return args
 
 
 # (paths as given: a run keyed by another path to the same files is another run; the device,
 # as bf16 on a GPU and fp32 on a CPU give other results)
-KEY = (
+RUN_KEY = (
     "method eps delta clip lr model checkpoint data dataset severity corruptions setting "
     "batch_size accumulate bn device seed limit synthetic fisher_data"
 ).split()
@@ -1117,7 +1289,7 @@ KEY = (
 
 def run_key(args, hp):
     """Everything that changes a result (the seed too: --summarize averages over seeds)."""
-    key = {name: getattr(args, name) for name in KEY}
+    key = {name: getattr(args, name) for name in RUN_KEY}
     key["hp"] = hp
     if args.eps == math.inf:
         key["eps"] = "inf"  # JSON has no inf
@@ -1127,8 +1299,8 @@ def run_key(args, hp):
 
 
 def is_paper_run(args, hp):
-    """Whether a run is one of the paper's cells: its C, lr and constants the paper's, on whole
-    streams of real data at the paper's δ and batch. --summarize tables the others apart."""
+    """Whether a run is one of the paper's cells: its C, lr and constants the paper's, on real
+    data at the paper's δ and batch. (Its streams must be whole too: adapt counts them.)"""
     eps = math.inf if args.eps is None else args.eps
     C, lr, _ = paper_hparams(args.method, eps, args.setting, args.clip)
     base = args.method.removeprefix("dp_")
@@ -1143,16 +1315,25 @@ def is_paper_run(args, hp):
 
 
 def read_records(path):
-    """The records of a JSON-lines file; a damaged or incomplete line is skipped and named."""
+    """The records of a JSON-lines file; a line that is no record ({"kind", "key", ...}) is
+    skipped and named."""
     records = []
     if not os.path.exists(path):
         return records
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                print(f"{path}:{number}: skipped, not a whole JSON line")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a file of JSON lines (not UTF-8 text)") from None
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and "kind" in record and isinstance(record.get("key"), dict):
+            records.append(record)
+        else:
+            print(f"{path}:{number}: skipped, not a whole record")
     return records
 
 
@@ -1174,7 +1355,7 @@ def print_header(args, adapter, source):
     clip = f"C = {adapter.clip} [{source['clip']}]"
     if adapter.sigma > 0:
         sigma, mu, delta = adapter.sigma, 2 / adapter.sigma, adapter.delta
-        print(f"privacy: ({adapter.eps:g}, {delta:g})-DP per test image | {clip}")
+        print(f"privacy: ({adapter.eps:g}, {delta:g})-DP per test image (one stream's) | {clip}")
         print(f"  σ = {sigma:.4f}: each step, and the stream, μ-GDP with μ = 2/σ = {mu:.4f}")
         # a photo is in k streams (one per corruption), one step each: μ√k-GDP
         eps_photo = gdp_epsilon(sigma=sigma / math.sqrt(k), delta=delta - k * sampler_tail(sigma))
@@ -1213,8 +1394,10 @@ def prepare(args, tmp):
         args.corruptions = ["imagenet_r"]
     if args.out is None:
         args.out = "results-smoke.jsonl" if args.synthetic else "results.jsonl"
+    # /dev/full would be read for ever, a pipe would hang
+    need(not os.path.exists(args.out) or os.path.isfile(args.out), f"--out {args.out}: not a file")
     key = run_key(args, hp)
-    if any(r.get("kind") == "run" and r.get("key") == key for r in read_records(args.out)):
+    if any(r["kind"] == "run" and r["key"] == key for r in read_records(args.out)):
         print(f"skipped: {args.out} holds this run's finished record (another --out runs it again)")
         return None
     streams = open_streams(args)
@@ -1227,7 +1410,7 @@ def prepare(args, tmp):
         images = Subset(folder, order[: args.limit].tolist())
         loader = DataLoader(images, args.batch_size, num_workers=args.workers, pin_memory=cuda)
         loaders.append((corruption, loader))
-    if args.method.endswith("eata") and args.fisher_data:
+    if args.fisher_data:  # (EATA's alone: parse_args refuses it for the others)
         hp = dict(hp, fisher=fisher_of(args, model, transform))
     kwargs = dict(hp, clip=args.clip, lr=args.lr, bn=args.bn, accumulate=args.accumulate)
     if args.eps is not None:  # (DPTTA refuses an eps for an original)
@@ -1241,12 +1424,14 @@ def prepare(args, tmp):
 
 
 def adapt(args, adapter, loaders, key, paper):
-    """Each corruption through the adapter, predicting then adapting on each batch; a record
+    """Each corruption through the adapter, predicting then adapting on each batch: a record
+    when the stream starts (an attempt: its steps are released whether it finishes or not), one
     per corruption, then one for the finished run."""
     autocast = contextlib.nullcontext()
     if args.device == "cuda":
         autocast = torch.autocast("cuda", torch.bfloat16)
-    start, top1 = time.time(), {}
+    start, top1, images = time.time(), {}, {}
+    append_record(args.out, dict(kind="start", key=key, time=time.time()))  # (seconds, Unix)
     for corruption, loader in loaders:
         if args.setting == "episodic":
             adapter.reset()
@@ -1255,9 +1440,8 @@ def adapt(args, adapter, loaders, key, paper):
             with autocast:
                 logits = adapter(x.to(args.device, non_blocking=True))
             if not all(torch.isfinite(t).all() for t in (logits, *adapter.params.values())):
-                where = f"{corruption}, batch {batch}: non-finite logits or θ"
-                print(f"dptta.py: {where} (a smaller --lr?); no run record", file=sys.stderr)
-                sys.exit(3)
+                where = f"{corruption}, batch {batch}: non-finite logits or θ (a smaller --lr?)"
+                return stop(3, where)
             hits += (logits.argmax(1).cpu() == y).sum().item()
             seen += len(y)
             if time.time() - shown > 60:  # a progress line at least every minute
@@ -1265,14 +1449,24 @@ def adapt(args, adapter, loaders, key, paper):
                 print(f"  {corruption}: {seen}/{len(loader.dataset)} images")
         with autocast:
             adapter.flush()  # a partial accumulate window: a step of its own
-        top1[corruption] = 100 * hits / seen
+        top1[corruption], images[corruption] = 100 * hits / seen, seen
         rate = seen / (time.time() - t0)
         print(f"{corruption:<18} top-1 {top1[corruption]:5.1f}% | {seen} images | {rate:.1f} img/s")
         record = dict(kind="corruption", key=key, corruption=corruption, top1=top1[corruption])
-        append_record(args.out, record)
+        append_record(args.out, dict(record, images=seen))
+    # a paper cell streams every image: 50,000 a corruption (ImageNet-R: 30,000)
+    paper = paper and all(n == STREAM_IMAGES[args.dataset] for n in images.values())
     mean, seconds = sum(top1.values()) / len(top1), time.time() - start
-    record = dict(kind="run", key=key, paper=paper, mean_top1=mean, top1=top1, seconds=seconds)
-    append_record(args.out, record)
+    versions = dict(torch=torch.__version__, timm=timm.__version__, python=sys.version.split()[0])
+    device = platform.machine()  # the CPU's architecture; on CUDA, the GPU's model
+    if args.device == "cuda":
+        device = torch.cuda.get_device_name()
+    mu = None  # (no noise: no μ)
+    if adapter.sigma > 0:
+        mu = 2 / adapter.sigma
+    record = dict(kind="run", key=key, paper=paper, mean_top1=mean, top1=top1, images=images)
+    record.update(sigma=adapter.sigma, mu=mu, smoke=bool(args.synthetic), seconds=seconds)
+    append_record(args.out, dict(record, versions=versions, device_name=device))
     print(f"mean top-1 {mean:.2f}% | {seconds:.0f} s | appended to {args.out}")
     return 0
 
@@ -1289,20 +1483,27 @@ def column_of(key):
 def summarize(path):
     """A table per (dataset, severity, setting, model, device) of the paper's cells: a row per
     method (EATA with its Fisher penalty a row of its own), a column per variant, mean ± std
-    (np.std) over seeds; the other runs (smoke, --limit, other C, lr or constants) listed apart,
-    never in the paper's cells. A cell is the run key without the seed; a key finished twice
-    counts once (its latest record)."""
-    cells = {}
+    (np.std) over seeds; the other runs (smoke, --limit, other C, lr or constants, a partial
+    stream) listed apart, never in the paper's cells. A cell is the run key without the seed;
+    a key finished twice counts once (its latest record). Then the attempts: each cell's runs
+    started against those finished (a killed attempt released its steps too)."""
+    cells, attempts = {}, {}
     for record in read_records(path):
-        if isinstance(record, dict) and record.get("kind") == "run":
-            key = record["key"]
-            cell = json.dumps({k: v for k, v in key.items() if k != "seed"}, sort_keys=True)
-            cells.setdefault(cell, {})[key["seed"]] = record  # the latest wins
+        key = record["key"]
+        cell = json.dumps({k: v for k, v in key.items() if k != "seed"}, sort_keys=True)
+        counts = attempts.setdefault(cell, dict(start=0, run=0))
+        if record["kind"] in counts:
+            counts[record["kind"]] += 1
+        if record["kind"] == "run":
+            cells.setdefault(cell, {})[key.get("seed")] = record  # the latest wins
+    if not cells:
+        print(f"{path} holds no finished run")
+        return 0
     tables, others = {}, []
     for cell, runs in cells.items():
         key, top1 = json.loads(cell), [run["mean_top1"] for run in runs.values()]
         shown = f"{np.mean(top1):.1f} ± {np.std(top1):.1f} ({len(top1)})"
-        if not all(run["paper"] for run in runs.values()):
+        if not all(run.get("paper") is True for run in runs.values()):
             others.append(f"  {shown}  " + " ".join(f"{k}={v}" for k, v in key.items()))
             continue
         title = f"{key['dataset']} severity {key['severity']} | {key['setting']} | {key['model']}"
@@ -1323,10 +1524,15 @@ def summarize(path):
     if others:
         print("other runs, not the paper's cells (mean ± std (seeds), key):")
         print("\n".join(others))
+    started = sum(c["start"] for c in attempts.values())
+    finished = sum(c["run"] for c in attempts.values())
+    print(f"attempts: {started} started, {finished} finished")
+    for cell, counts in attempts.items():
+        if counts["start"] > counts["run"]:  # killed ones: their steps were released too
+            print(f"  {counts['start']} started, {counts['run']} finished: {cell}")
     return 0
 
 
-# ----------------------------------------------------------------------------
 # --benchmark: the cost of privacy, measured side by side
 def benchmark(args):
     """A step of every method, plain, clip-only and DP (ε = 5), on random weights with every
@@ -1381,22 +1587,26 @@ def benchmark(args):
 def main(argv=None):
     sys.stdout.reconfigure(line_buffering=True)  # a progress line shows when printed
     args = parse_args(argv)
-    if args.summarize:
-        if not os.path.isfile(args.summarize):
-            fail(f"--summarize {args.summarize}: no such file")
-        return summarize(args.summarize)
-    if args.benchmark:
-        return benchmark(args)
     with tempfile.TemporaryDirectory(prefix="dptta-synthetic-") as tmp:
         try:
-            run = prepare(args, tmp)
-        except (ValueError, OSError, RuntimeError) as e:  # the library's checks, a missing
-            # folder or file, weights that do not fit the model
-            fail(e)
-        if run is None:
-            return 0
-        return adapt(args, *run)
+            try:  # the library's checks, a missing folder or file, weights that do not fit
+                if args.summarize:
+                    need(os.path.isfile(args.summarize), f"--summarize {args.summarize}: no file")
+                    return summarize(args.summarize)
+                if args.benchmark:
+                    return benchmark(args)
+                run = prepare(args, tmp)
+            except (ValueError, OSError, RuntimeError) as e:
+                fail(e)
+            if run is None:
+                return 0
+            return adapt(args, *run)
+        except UnreadableImage as e:  # (from a loader's worker: its message ends with ours)
+            return stop(3, f"cannot read {str(e).splitlines()[-1].split('UnreadableImage: ')[-1]}")
+        except KeyboardInterrupt:
+            return stop(130, f"{args.method} interrupted")
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # cleans up, as Ctrl-C
     sys.exit(main())

@@ -9,13 +9,15 @@
 # PAPER_CONSTANTS; a test ties the copies below to them). Environment (lists of words):
 #   METHODS (source tent eata sar deyo deyo_come), VARIANTS (plain clip dp), EPSILONS (20 15 10
 #   5 1), SETTINGS (continual episodic), SEEDS (0 1 2); OUT (results.jsonl: dptta.py skips a cell
-#   finished there, so a rerun goes on); EXTRA (flags for every cell: "--fisher-data DIR");
-#   PYTHON (python3); IMAGENET_C (the data root; needed by all but --dry-run).
-# A bad value stops the grid before its first cell (exit 2); a failed cell is named, the others
-# run, and the grid exits 1 after the summary; Ctrl-C or SIGTERM stops every worker and its cell.
+#   finished there, so a rerun goes on); FISHER_DATA (EATA's public clean images, passed to its
+#   cells alone: not ImageNet val, which ImageNet-C is made from); EXTRA (flags for every cell,
+#   as "--limit 100"); PYTHON (python3); IMAGENET_C (the data root; needed by all but --dry-run).
+# Paths are the caller's: relative ones from the folder it runs in. A bad value stops the grid
+# before its first cell (exit 2); a failed cell is named, the others run, and the grid exits 1
+# after the summary; Ctrl-C or SIGTERM stops every worker and its cell.
 set -euo pipefail
 set -f  # no globbing: a cell's and EXTRA's words reach dptta.py as --dry-run prints them
-cd "$(dirname "$0")"
+dptta="$(dirname "$0")/dptta.py"  # (no cd: OUT, IMAGENET_C and FISHER_DATA stay the caller's)
 
 die() { echo "run_imagenet_c.sh: $*" >&2; exit 2; }
 dry=0
@@ -25,6 +27,7 @@ done
 METHODS=${METHODS-source tent eata sar deyo deyo_come}; VARIANTS=${VARIANTS-plain clip dp}
 EPSILONS=${EPSILONS-20 15 10 5 1}; SETTINGS=${SETTINGS-continual episodic}; SEEDS=${SEEDS-0 1 2}
 OUT=${OUT:-results.jsonl}; EXTRA=${EXTRA:-}; PYTHON=${PYTHON:-python3}
+FISHER_DATA=${FISHER_DATA:-}
 
 # check NAME REGEX WHAT: each word of $NAME matches REGEX; set but empty is refused (a part of the
 # grid would go silently)
@@ -40,8 +43,20 @@ check SETTINGS 'continual|episodic' "one of continual episodic"
 check SEEDS '-?[0-9]+' "an integer"
 # ε: a decimal with a digit that is not 0 (0, 0.0, 0e5 are not > 0), and maybe an exponent
 check EPSILONS '([0-9]*[1-9][0-9]*\.?[0-9]*|[0-9]*\.[0-9]*[1-9][0-9]*)([eE][-+]?[0-9]+)?' "a number > 0"
-if [ $dry = 0 ] && [ ! -d "${IMAGENET_C:-}" ]; then
-  die "IMAGENET_C='${IMAGENET_C:-}' is not a folder: set it to ImageNet-C's root"
+[[ " $EXTRA " != *" --fisher-data"* ]] || die "EXTRA: --fisher-data goes in FISHER_DATA (EATA's)"
+if [ $dry = 0 ]; then
+  [ -d "${IMAGENET_C:-}" ] || die "IMAGENET_C='${IMAGENET_C:-}' is not a folder: set it to ImageNet-C's root"
+  [ -d "$(dirname "$OUT")" ] || die "OUT=$OUT: its folder $(dirname "$OUT") is not there"
+  [ -z "$FISHER_DATA" ] || [ -d "$FISHER_DATA" ] || die "FISHER_DATA=$FISHER_DATA is not a folder"
+  command -v "$PYTHON" > /dev/null || die "PYTHON=$PYTHON is not a command"
+  # PYTHON imports dptta, each ε is one it serves (finite, > 0, within its reach) and EXTRA
+  # parses as its flags: checked once, here, not by every cell
+  check='import sys; sys.path.insert(0, sys.argv[1]); import dptta
+for eps in sys.argv[2].split(): dptta.calibrate_sigma(eps=dptta.epsilon(eps), delta=1e-6)
+dptta.parse_args(sys.argv[3:])'
+  # shellcheck disable=SC2086  # EXTRA is a list of words
+  why=$("$PYTHON" -c "$check" "$(dirname "$dptta")" "$EPSILONS" $EXTRA 2>&1 > /dev/null) ||
+    die "PYTHON=$PYTHON, EPSILONS=$EPSILONS, EXTRA=$EXTRA: ${why##*$'\n'}"
 fi
 
 # The paper's values a cell passes (see the header); dptta.py's tables hold the same
@@ -75,25 +90,33 @@ gpus=()
 if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
   IFS=, read -r -a gpus <<< "$CUDA_VISIBLE_DEVICES"
 elif command -v nvidia-smi > /dev/null; then
-  n=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU' || true)
-  for (( g = 0; g < n; g++ )); do gpus+=("$g"); done
+  if listing=$(timeout 5 nvidia-smi -L 2> /dev/null); then
+    n=$(grep -c '^GPU' <<< "$listing" || true)
+    for (( g = 0; g < n; g++ )); do gpus+=("$g"); done
+  else
+    echo "run_imagenet_c.sh: nvidia-smi failed or hung: no GPU, the cells run on the CPU" >&2
+  fi
 fi
 device=  # (with GPUs, dptta.py's auto picks the one its worker sets)
 if [ ${#gpus[@]} = 0 ]; then device="--device cpu"; fi
 nworkers=$(( ${#gpus[@]} > 0 ? ${#gpus[@]} : 1 ))
 
+eata() { [[ ${cells[$1]} =~ ^--method\ (dp_)?eata\  ]]; }  # cell $1 is EATA's: FISHER_DATA's
 command_of() {  # cell $1's command, as it runs (a cell's and EXTRA's words split at spaces)
-  echo "$(printf %q "$PYTHON") dptta.py ${cells[$1]} --out $(printf %q "$OUT")${device:+ $device}${EXTRA:+ $EXTRA}"
+  local fisher=
+  if [ -n "$FISHER_DATA" ] && eata "$1"; then fisher=" --fisher-data $(printf %q "$FISHER_DATA")"; fi
+  echo "$(printf %q "$PYTHON") $(printf %q "$dptta") ${cells[$1]} --out $(printf %q "$OUT")${device:+ $device}$fisher${EXTRA:+ $EXTRA}"
 }
 if [ $dry = 1 ]; then for j in "${!cells[@]}"; do command_of "$j"; done; exit 0; fi
 
 worker() {  # worker g: cells g, g + n, g + 2n, ... one after another, on GPU g
-  local g=$1 j rc failed=0
+  local g=$1 j rc fisher failed=0
   if [ ${#gpus[@]} -gt 0 ]; then export CUDA_VISIBLE_DEVICES=${gpus[$g]}; fi
   for (( j = g; j < ${#cells[@]}; j += nworkers )); do
-    rc=0
+    rc=0 fisher=()
+    if [ -n "$FISHER_DATA" ] && eata "$j"; then fisher=(--fisher-data "$FISHER_DATA"); fi
     # shellcheck disable=SC2086  # a cell and EXTRA are lists of words
-    "$PYTHON" dptta.py ${cells[$j]} --out "$OUT" $device $EXTRA || rc=$?
+    "$PYTHON" "$dptta" ${cells[$j]} --out "$OUT" $device "${fisher[@]}" $EXTRA || rc=$?
     if [ $rc != 0 ]; then
       echo "run_imagenet_c.sh: cell failed (exit $rc): $(command_of "$j")" >&2
       failed=1
@@ -121,7 +144,7 @@ for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 trap - INT TERM
 set +m
 
-"$PYTHON" dptta.py --summarize "$OUT"
+"$PYTHON" "$dptta" --summarize "$OUT"
 if [ $failed = 1 ]; then
   echo "run_imagenet_c.sh: some cells failed (each named above): the grid is incomplete" >&2
   exit 1

@@ -21,8 +21,12 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
+import urllib.error
+import urllib.request
+import warnings
 from functools import partial
 
 import mpmath
@@ -37,9 +41,13 @@ from PIL import Image
 from scipy import stats
 from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torchvision.models.convnext import CNBlockConfig
 
 import dptta
 
+# vmap's per-sample loop, where the pass takes it, is a warning; in the suite, an error: every
+# model the tests adapt is certified loop-free (one test asks for the loop, and catches it)
+pytestmark = pytest.mark.filterwarnings("error:.*has no vmap batching rule")
 HERE = os.path.dirname(os.path.abspath(__file__))
 K = 10  # classes of the tiny models
 
@@ -159,11 +167,12 @@ def accountant_delta_mp(eps, sigma):
 
 
 def accountant_tail_mp(sigma):
-    """The chance that a Box-Muller pair of the sampler lies beyond R − μ, μ = 2/σ, R =
-    √(−2 ln 2^-107) (its u1 >= 2^-107): exp(−(R − μ)²/2), the Rayleigh tail, in 60 digits."""
+    """The sampler_tail bound in 60 digits, from its docstring: √(d/2)·exp(−(R − μ)²/2), d =
+    10^6 coordinates at most, R = √(−2 ln 2^-107) (the sampler's u1 >= 2^-107), μ = 2/σ."""
     with mpmath.workdps(60):
         reach = mpmath.sqrt(-2 * mpmath.log(mpmath.mpf(2) ** -107))
-        return mpmath.exp(-max(reach - 2 / mpmath.mpf(sigma), 0) ** 2 / 2)
+        return mpmath.sqrt(mpmath.mpf(10**6) / 2) * mpmath.exp(
+            -max(reach - 2 / mpmath.mpf(sigma), 0) ** 2 / 2)
 
 
 def accountant_sigma_mp(eps, delta, repeats=1):
@@ -171,8 +180,8 @@ def accountant_sigma_mp(eps, delta, repeats=1):
     each release's sampler tail = delta, by 60-digit bisection (both fall as σ grows)."""
     with mpmath.workdps(60):
         k = mpmath.sqrt(repeats)
-        lo, hi = mpmath.mpf("0.01"), mpmath.mpf(1000)
-        for _ in range(80):  # 1e5·2^-80: far below float64's 1e-16
+        lo, hi = mpmath.mpf("0.01"), mpmath.mpf(10**5)
+        for _ in range(90):  # 1e7·2^-90: far below float64's 1e-16
             mid = (lo + hi) / 2
             if accountant_delta_mp(eps, mid) + repeats * accountant_tail_mp(k * mid) > delta:
                 lo = mid
@@ -215,11 +224,11 @@ def test_paper_sigma_table_calibration_is_exact_tight_and_below_the_papers():
         assert accountant_delta_mp(eps, paper) <= 1e-6  # the paper's σ meets δ too
 
 
-@pytest.mark.parametrize("delta", [1e-3, 1e-6, 1e-12, 1e-20])
+@pytest.mark.parametrize("delta", [1e-3, 1e-6, 1e-9, 1e-12])
 def test_calibrate_sigma_equals_the_60_digit_inverse_and_round_trips(delta):
     """σ(ε, δ) against a 60-digit bisection of the formula, and gdp_epsilon(σ(ε)) = ε; both
     meet δ as gdp_delta reports it (rounded up, never down)."""
-    for eps in (0.1, 1.0, 5.0, 10.0):
+    for eps in (1e-3, 0.1, 1.0, 5.0, 10.0):  # from the smallest ε served
         sigma = dptta.calibrate_sigma(eps=eps, delta=delta)
         assert sigma == pytest.approx(accountant_sigma_mp(eps, delta), rel=1e-9)
         assert accountant_delta_mp(eps, sigma) <= delta * (1 + 1e-12)
@@ -228,20 +237,6 @@ def test_calibrate_sigma_equals_the_60_digit_inverse_and_round_trips(delta):
         back = dptta.gdp_epsilon(sigma=sigma, delta=delta - float(accountant_tail_mp(sigma)))
         assert back == pytest.approx(eps, rel=1e-8)
         assert dptta.gdp_delta(eps=back, sigma=sigma) <= delta, (back, sigma)
-
-
-def test_accountant_is_monotone():
-    """δ falls as ε grows and as σ grows; σ falls as ε or δ grows (the formula's shape)."""
-    eps = np.geomspace(0.1, 40, 30)
-    for sigma in (0.35, 0.6, 1.0):  # δ >= 1e-82: no underflow to 0
-        d = [dptta.gdp_delta(eps=e, sigma=sigma) for e in eps]
-        assert all(a > b for a, b in zip(d, d[1:]))
-    d = [dptta.gdp_delta(eps=1.0, sigma=s) for s in np.geomspace(0.3, 30, 30)]
-    assert all(a > b for a, b in zip(d, d[1:]))
-    s = [dptta.calibrate_sigma(eps=e, delta=1e-6) for e in (0.5, 1, 2, 5, 10, 20, 40)]
-    assert all(a > b for a, b in zip(s, s[1:]))
-    s = [dptta.calibrate_sigma(eps=5, delta=d) for d in (1e-20, 1e-12, 1e-6, 1e-3, 0.1)]
-    assert all(a > b for a, b in zip(s, s[1:]))
 
 
 @pytest.mark.parametrize("k", [2, 15, 100])
@@ -300,33 +295,77 @@ def test_privacy_arguments_are_keyword_only():
 
 
 # the sampler's reach (calibrate_sigma's docstring): a Box-Muller pair ends at radius
-# R = √(−2 ln 2^-107); a run is refused unless k·exp(−(R − 2/σ)²/2) <= δ/1000
+# R = √(−2 ln 2^-107); a run is refused unless k·√(d/2)·exp(−(R − 2/σ)²/2) <= δ/1000, d = 10^6
 ACCOUNTANT_REACH = math.sqrt(214 * math.log(2))
 
 
+def accountant_annulus(mu, pairs):
+    """A pair's chance to lie in the annulus R − s < |z| <= R (the sampler's pair and its
+    neighbour's, shifted by s, on either side of the reach), exact for a 2-d standard normal
+    (a Rayleigh radius), summed over `pairs` pairs that share a shift of norm μ alike."""
+    s = mu / math.sqrt(pairs)
+    return pairs * (math.exp(-max(ACCOUNTANT_REACH - s, 0) ** 2 / 2)
+                    - math.exp(-ACCOUNTANT_REACH**2 / 2))
+
+
 @pytest.mark.parametrize("eps,delta,repeats", [
-    (40, 1e-6, 1), (43, 1e-6, 1), (45, 1e-6, 1), (50, 1e-6, 1), (20, 1e-6, 1), (20, 1e-6, 15),
-    (30, 1e-9, 1), (40, 1e-9, 1), (5, 1e-20, 1), (5, 1e-28, 1), (1, 1e-30, 1), (5, 1e-40, 1),
-    (0.5, 1e-40, 1)])
+    (30, 1e-6, 1), (33, 1e-6, 1), (34, 1e-6, 1), (40, 1e-6, 1), (20, 1e-6, 1), (20, 1e-6, 15),
+    (30, 1e-9, 1), (31, 1e-9, 1), (26, 1e-12, 1), (27, 1e-12, 1), (1e-3, 1e-12, 1),
+    (1e-3, 1e-6, 15)])
 def test_an_eps_delta_beyond_the_samplers_reach_is_refused_in_one_line(eps, delta, repeats):
-    """calibrate_sigma accepts (ε, δ) iff the docstring's tail k·exp(−(R − μ)²/2), computed
-    here from a 60-digit σ (δ(ε) and the tail within δ), is <= δ/1000 (ε = 40 at 1e-6 accepted, 50 refused; every ε at
-    δ <= 1e-30, since 2^-107 > 1e-33); an accepted one's exact chance of a pair beyond the
-    reach (a noncentral χ² with 2 degrees of freedom) is within that bound too."""
+    """calibrate_sigma accepts (ε, δ) iff the docstring's tail k·√(d/2)·exp(−(R − μ)²/2),
+    computed here from a 60-digit σ (δ(ε) and the tail within δ), is <= δ/1000 (ε = 33 at 1e-6
+    accepted, 34 refused); an accepted one's exact annulus chance, its shift on one pair or
+    spread over any number of them up to d/2, is within that bound too."""
     sigma = accountant_sigma_mp(eps, delta, repeats)
-    mu = 2 / sigma
-    tail = repeats * math.exp(-max(ACCOUNTANT_REACH - mu, 0) ** 2 / 2)
+    mu = 2 / sigma * math.sqrt(repeats)
+    tail = repeats * 1000**0.5 * math.sqrt(500) * math.exp(-max(ACCOUNTANT_REACH - mu, 0) ** 2 / 2)
     accepted = tail <= delta / 1000
-    assert accepted == ((eps, delta) in {(40, 1e-6), (43, 1e-6), (20, 1e-6), (30, 1e-9),
-                                         (5, 1e-20)})  # the expectation, written out
+    assert accepted == ((eps, delta, repeats) in {(30, 1e-6, 1), (33, 1e-6, 1), (20, 1e-6, 1),
+                                                  (20, 1e-6, 15), (30, 1e-9, 1), (26, 1e-12, 1),
+                                                  (1e-3, 1e-12, 1), (1e-3, 1e-6, 15)})
     if accepted:
         got = dptta.calibrate_sigma(eps=eps, delta=delta, repeats=repeats)
         assert got == pytest.approx(sigma, rel=1e-9)
-        assert repeats * stats.ncx2.sf(ACCOUNTANT_REACH**2, 2, mu**2) <= delta / 1000
+        for pairs in (1, 10, 1000, 10**5, 5 * 10**5):
+            assert repeats * accountant_annulus(mu, pairs) <= min(tail, delta / 1000)
     else:
         with pytest.raises(ValueError, match="reach") as e:
             dptta.calibrate_sigma(eps=eps, delta=delta, repeats=repeats)
         assert "\n" not in str(e.value)
+
+
+def test_a_shift_spread_over_many_pairs_is_the_worse_case_at_a_small_mu():
+    """sampler_tail's docstring: at small μ a shift spread over d/2 pairs reaches the annulus
+    more often than the same shift on one pair, and its bound covers both (the oracle: the
+    annulus chances written out)."""
+    for mu in (0.05, 0.5, 2.0, 5.0):
+        bound = float(accountant_tail_mp(2 / mu))
+        chances = [accountant_annulus(mu, pairs) for pairs in (1, 100, 5 * 10**5)]
+        assert max(chances) <= bound
+        assert dptta.sampler_tail(2 / mu) == pytest.approx(bound, rel=1e-12)
+    assert accountant_annulus(0.05, 5 * 10**5) > 100 * accountant_annulus(0.05, 1)
+
+
+@pytest.mark.parametrize("eps,delta", [(9e-4, 1e-6), (5.0, 9e-13), (5.0, 1e-20)])
+def test_an_eps_or_delta_below_the_samplers_resolution_is_refused(eps, delta):
+    """ε < 1e-3 or δ < 1e-12: NoiseStream's grid of u1 is not proven fine enough there; a
+    one-line ValueError naming the floor."""
+    with pytest.raises(ValueError, match="1e-03|0.001|1e-12") as e:
+        dptta.calibrate_sigma(eps=eps, delta=delta)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sigma", [9.6e4, 1e6])
+@pytest.mark.parametrize("delta", [1e-6, 1e-10])
+def test_gdp_epsilon_is_finite_at_a_large_sigma(sigma, delta):
+    """At σ where its root search once met NaN: a finite ε whose 60-digit δ(ε) meets delta and
+    whose ε·(1 − 1e-6) does not (or 0, where ε = 0 meets it already)."""
+    eps = dptta.gdp_epsilon(sigma=sigma, delta=delta)
+    assert math.isfinite(eps)
+    assert accountant_delta_mp(eps, sigma) <= delta * (1 + 1e-9)
+    if eps > 0:
+        assert accountant_delta_mp(eps * (1 - 1e-6), sigma) > delta
 
 
 def test_no_noise_ends():
@@ -388,7 +427,51 @@ def test_adaptable_params_resnet_like_skips_layer4_and_a_plain_model_skips_nothi
                           nn.GroupNorm(4, 8), nn.Flatten(), nn.LazyLinear(K))
     want = ["1.weight", "1.bias", "4.weight", "4.bias"]
     assert list(dptta.adaptable_params(plain)) == want
-    assert list(dptta.adaptable_params(plain, skip_top=True)) == want
+    with pytest.warns(UserWarning, match="no trunk"):  # said, not silent
+        assert list(dptta.adaptable_params(plain, skip_top=True)) == want
+
+
+class AdaptNormalize(nn.Module):
+    """A host's input normalizer: buffers, no parameters (the benchmark's first module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.5, 0.4, 0.3])[:, None, None])
+
+    def forward(self, x):
+        return x - self.mean
+
+
+class AdaptHolder(nn.Module):
+    """A host's wrapper that holds the model as .model."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x)
+
+
+@pytest.mark.parametrize("wrap", ["Sequential(normalizer, model)", ".model"])
+def test_the_trunk_is_found_in_a_wrapped_model(wrap):
+    """Wrapped as TTA code wraps it, a model's lower norms are the bare model's, under the
+    wrapper's prefix: 36 of a depth-12 ViT's 50 tensors (ViT-B/16's count) and 86 of a
+    ResNet-50's 106 (all but layer4's). Oracle: the bare model's lists, and the counts."""
+    def wrapped(model):
+        if wrap == ".model":
+            return AdaptHolder(model), "model."
+        return nn.Sequential(AdaptNormalize(), model), "1."
+
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
+                            depth=12, embed_dim=16, num_heads=1)
+    resnet = timm.create_model("resnet50", pretrained=False)
+    for model, every, lower, per_sample in ((vit, 50, 36, True), (resnet, 106, 86, False)):
+        bare = dptta.adaptable_params(model, skip_top=True, per_sample=per_sample)
+        host, prefix = wrapped(model)
+        got = dptta.adaptable_params(host, skip_top=True, per_sample=per_sample)
+        assert list(got) == [prefix + n for n in bare] and len(got) == lower
+        assert len(dptta.adaptable_params(host, per_sample=per_sample)) == every
 
 
 def test_a_batchnorm_model_is_refused_per_sample_naming_bn_source_and_accepted_otherwise():
@@ -396,7 +479,7 @@ def test_a_batchnorm_model_is_refused_per_sample_naming_bn_source_and_accepted_o
     per_sample=False adapts its BatchNorm affine tensors."""
     with pytest.raises(ValueError) as e:
         dptta.adaptable_params(tiny_bn_cnn())
-    assert "\n" not in str(e.value) and 'bn="source"' in str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).startswith('bn="source"')
     got = dptta.adaptable_params(tiny_bn_cnn(), per_sample=False)
     assert list(got) == ["1.weight", "1.bias", "4.weight", "4.bias"]
 
@@ -442,6 +525,11 @@ PER_SAMPLE_MODELS = {  # family -> a tiny random model
     "torchvision ViT": lambda: torchvision.models.VisionTransformer(
         image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
         num_classes=K),
+    "torchvision Swin": lambda: torchvision.models.SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=[4, 4],
+        num_classes=K),
+    "torchvision ConvNeXt": lambda: torchvision.models.ConvNeXt(
+        [CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=K),
     "returns .logits": PerSampleReturnsObject,
     "BatchNorm CNN, eval": lambda: per_sample_bn_cnn(),
 }
@@ -546,7 +634,7 @@ def test_per_sample_grads_refuses_a_batchnorm_in_train_mode():
     params = dptta.adaptable_params(m, per_sample=False)
     with pytest.raises(ValueError, match="BatchNorm") as e:
         dptta.per_sample_grads(m, params, entropy_loss, images(3, dtype=torch.float64))
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and str(e.value).startswith('bn="source"')  # the fix first
 
 
 class PerSampleFusedAttention(nn.Module):
@@ -565,13 +653,22 @@ class PerSampleFusedAttention(nn.Module):
         return self.head(self.kernel(q, k, v).transpose(1, 2).reshape(N, T, D).mean(1))
 
 
-def test_an_op_without_a_batching_rule_is_an_error_naming_it():
+def test_an_op_without_a_batching_rule_runs_exact_through_the_fallback_and_warns_once():
     """A forward that calls fused CPU attention itself (no vmap rule; sdpa_kernel cannot swap
-    a direct call): the fallback stays off, and the error names the op."""
+    a direct call): the pass warns once, naming the op, and runs it once per sample through
+    vmap's fallback, exact against the float64 loop; the fallback is off again after it."""
     cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    m = PerSampleFusedAttention(lambda q, k, v: cpu_flash(q, k, v)[0]).eval()
-    with pytest.raises(RuntimeError, match="_scaled_dot_product_flash_attention_for_cpu"):
-        dptta.per_sample_grads(m, dptta.adaptable_params(m), entropy_loss, torch.randn(3, 5, 64))
+    m = PerSampleFusedAttention(lambda q, k, v: cpu_flash(q, k, v)[0]).double().eval()
+    x = torch.randn(3, 5, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    params = dptta.adaptable_params(m)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # as a user's session shows them: each once
+        for _ in range(2):
+            g, _ = dptta.per_sample_grads(m, params, entropy_loss, x)
+    said = [str(w.message) for w in seen if "batching rule" in str(w.message)]
+    assert len(said) == 1 and "_scaled_dot_product_flash_attention_for_cpu" in said[0]
+    per_sample_assert_equal(g, loop_grads(m, list(params), entropy_loss, x))
+    assert not torch._C._functorch._is_vmap_fallback_enabled()
 
 
 def per_sample_one_loss(model, params, xi):  # one sample's H, for the textbook vmap(grad(...))
@@ -791,6 +888,16 @@ def test_a_release_lies_on_one_lattice_whatever_the_data():
                 assert torch.equal(k, torch.round(k))
             noise.append(release - sums[which])
     assert torch.cat(noise).std().item() == pytest.approx((1 + 2**-10) * sigma * C, rel=0.03)
+
+
+def test_a_release_beyond_the_accountants_coordinates_is_refused():
+    """The sampler's tail and resolution are bounded for releases of up to 10^6 coordinates: a
+    noisy release of 10^6 + 1 is a one-line ValueError; a noiseless one (clip-only) runs."""
+    g = {"t": torch.zeros(1, 10**6 + 1, dtype=torch.float64)}
+    with pytest.raises(ValueError, match="coordinates") as e:
+        dptta.clip_and_noise(g, 1.0, 1.0, dptta.NoiseStream())
+    assert "\n" not in str(e.value)
+    assert dptta.clip_and_noise(g, 1.0, 0.0, dptta.NoiseStream())["t"].abs().max() == 0
 
 
 def test_a_zero_in_a_release_is_never_minus_zero():
@@ -1667,6 +1774,85 @@ def test_a_pending_window_refuses_copies_until_flushed():
     assert not copy.deepcopy(a).window and pickle.loads(pickle.dumps(a)).params
 
 
+def test_a_shallow_copy_has_a_window_of_its_own():
+    """copy.copy of an adapter with an accumulate window: a batch that one of them takes is not
+    pending in the other (a shared list would be stepped on by both: two releases)."""
+    a = adapter("dp_tent", accumulate=2)
+    b = copy.copy(a)
+    a(images(4))
+    assert len(a.window) == 1 and b.window == []
+    b(images(4, 2))
+    assert len(a.window) == 1 and len(b.window) == 1
+
+
+def noise_forked_thetas(noise_seed):
+    """θ after one step on one batch of an adapter built here, stepped in two forked children
+    and then in this process: three flat θ."""
+    a = adapter("dp_tent", lr=1.0, noise_seed=noise_seed)
+    a(images(6, 3))  # the parent has drawn before it forks
+    x, thetas = images(6), []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: one step, its θ through the pipe, and out
+            try:
+                os.close(read)
+                torch.set_num_threads(1)  # (a fork's OpenMP pool would hang)
+                a(x)
+                os.write(write, pickle.dumps(torch.cat([p.detach().flatten()
+                                                        for p in a.params.values()])))
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            thetas.append(pickle.loads(f.read()))
+        os.waitpid(pid, 0)
+    a(x)
+    thetas.append(torch.cat([p.detach().flatten() for p in a.params.values()]))
+    return a, thetas
+
+
+def test_forked_workers_draw_noise_of_their_own_and_a_noise_seed_replays_in_them():
+    """One adapter stepped on one batch in two forked children and the parent: three θ that
+    differ by about √2 times the noise (each child re-keys from the OS before its first draw);
+    with noise_seed, a replay, all three are equal. Oracle: the noise's size, ‖z1 − z2‖ ≈
+    lr·(1 + 2^-10)σC/B·√(2d)."""
+    a, thetas = noise_forked_thetas(None)
+    d = len(thetas[0])
+    noise = a.lr * (1 + 2**-10) * a.sigma * a.clip / 6 * math.sqrt(2 * d)
+    for i, j in [(0, 1), (0, 2), (1, 2)]:
+        assert (thetas[i] - thetas[j]).norm().item() == pytest.approx(noise, rel=0.3)
+    _, replays = noise_forked_thetas(5)
+    assert torch.equal(replays[0], replays[1]) and torch.equal(replays[0], replays[2])
+
+
+def test_threads_drawing_from_one_stream_never_get_one_block_twice(monkeypatch):
+    """8 threads draw 40 blocks each from one stream, with the window between reading the block
+    number and advancing it made wide (SHAKE-256 slowed by a sleep, which lets the other threads
+    run): 320 blocks, no draw twice. Oracle: the values themselves (a repeated block repeats them)."""
+    stream, shake = dptta.NoiseStream(), hashlib.shake_256
+
+    def slow_shake(data):
+        time.sleep(0.002)
+        return shake(data)
+
+    monkeypatch.setattr(hashlib, "shake_256", slow_shake)
+    draws = []
+
+    def draw():
+        for _ in range(40):
+            draws.append(stream.normal(4, dtype=torch.float64))
+
+    threads = [threading.Thread(target=draw) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    values = torch.cat(draws).tolist()
+    assert len(draws) == 320 and stream.blocks == 320
+    assert len(set(values)) == len(values)
+
+
 def test_a_noise_seed_replays_exactly():
     """Two adapters with one noise_seed give the same predictions and θ, bit for bit, over
     three steps; another seed gives another θ."""
@@ -1780,6 +1966,50 @@ def test_batchnorm_at_source_statistics_adapts_per_sample_and_matches_a_loop():
     assert all(torch.equal(stats[n], b) for n, b in model.named_buffers())
 
 
+def host_configured_bn_cnn():
+    """tiny_bn_cnn as a host's Tent hands it over: train mode, track_running_stats False, the
+    running statistics deleted."""
+    model = tiny_bn_cnn().train()
+    for bn in (model[1], model[4]):
+        bn.track_running_stats, bn.running_mean, bn.running_var = False, None, None
+    return model
+
+
+@pytest.mark.parametrize("kwargs", [dict(method="dp_tent", eps=5.0, clip=1.0),
+                                    dict(method="tent", clip=1.0), dict(method="tent")])
+def test_a_model_a_hosts_tent_configured_is_refused_at_build_where_per_sample(kwargs):
+    """With bn="source" (and a clip or not) a model whose BatchNorm has no running statistics is
+    refused when the adapter is built, in one line that says why; Tent with bn="train" takes it,
+    as Tent's own code does, and steps (the oracle: θ moves, the refusals name no statistics)."""
+    with pytest.raises(ValueError, match="running statistics") as e:
+        dptta.DPTTA(host_configured_bn_cnn(), lr=0.1, bn="source", **kwargs)
+    assert "\n" not in str(e.value)
+    a = dptta.DPTTA(host_configured_bn_cnn(), "tent", lr=0.1)
+    a(images(6, dtype=torch.float64))
+    assert any(not torch.equal(p, a.theta0[n]) for n, p in a.params.items())
+
+
+@pytest.mark.parametrize("bn", ["source", "train"])
+def test_fisher_information_normalizes_as_the_adapter_will_and_leaves_the_model_as_found(bn):
+    """On a BatchNorm model in train mode (as timm returns it), given a loader's (x, y) batches:
+    F with the source statistics (bn="source") or each batch's (bn="train", EATA's), against
+    the squared gradients by hand on an eval-mode (or train-mode) copy; the model's modes and
+    running statistics after it are as before."""
+    model = tiny_bn_cnn().train()
+    found = {n: b.clone() for n, b in model.named_buffers()}
+    names = ["1.weight", "1.bias", "4.weight", "4.bias"]
+    batches = [images(6, 10, torch.float64), images(6, 11, torch.float64)]
+    copy_for_hand = copy.deepcopy(model).train(bn == "train")
+    want = methods_fisher(copy_for_hand, names, batches)
+    loader = [(x, torch.zeros(len(x), dtype=torch.long)) for x in batches]
+    got = dptta.fisher_information(model, dptta.adaptable_params(model, per_sample=False), loader,
+                                   bn=bn)
+    for n in names:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-15)
+    assert all(m.training for m in model.modules())
+    assert all(torch.equal(found[n], b) for n, b in model.named_buffers())
+
+
 @pytest.mark.parametrize("method,accumulate", [("dp_tent", 1), ("dp_deyo", 1), ("dp_tent", 2)])
 def test_a_private_adapter_refuses_a_batchnorm_switched_to_the_batch_after_it_was_built(
         method, accumulate):
@@ -1837,6 +2067,40 @@ def test_adapts_inside_no_grad_and_inference_mode_and_skips_an_empty_batch(metho
     assert str(a.opt.state_dict()) == str(momentum)
 
 
+def test_a_hosts_optimizer_steps_on_the_private_delta_and_reset_builds_a_fresh_one():
+    """optimizer=: a function of θ's parameters. Adam and Nesterov SGD (the benchmark's) each
+    take one step on the same released Δ (one noise_seed): Adam's θ1 is torch's Adam on Δ from
+    θ0, Nesterov's θ0 − 1.9·lr·Δ (SGD momentum 0.9 with lr = 1: θ0 − Δ); reset() gives a fresh
+    optimizer of the host's kind, with no state; lr and optimizer together are refused."""
+    x = images(6, dtype=torch.float64)
+
+    def first_step(**kwargs):
+        a = adapter("dp_tent", tiny_vit(torch.float64), noise_seed=3, **kwargs)
+        a(x)
+        return a, {n: a.theta0[n] - p.detach() for n, p in a.params.items()}
+
+    _, delta = first_step(lr=1.0)  # SGD, lr 1, a fresh momentum: θ0 − θ1 = Δ
+    a, moved = first_step(lr=None, optimizer=partial(torch.optim.SGD, lr=0.1, momentum=0.9,
+                                                       nesterov=True))
+    for n in delta:
+        torch.testing.assert_close(moved[n], 1.9 * 0.1 * delta[n], rtol=1e-9, atol=1e-12)
+    a, moved = first_step(lr=None, optimizer=partial(torch.optim.Adam, lr=1e-3))
+    theta = {n: t.clone().requires_grad_() for n, t in a.theta0.items()}
+    adam = torch.optim.Adam(theta.values(), lr=1e-3)
+    for n, p in theta.items():
+        p.grad = delta[n].clone()
+    adam.step()
+    for n, p in theta.items():
+        torch.testing.assert_close(moved[n], a.theta0[n] - p.detach(), rtol=1e-9, atol=1e-12)
+    old = a.opt
+    a.reset()
+    assert type(a.opt) is torch.optim.Adam and a.opt is not old and not a.opt.state
+    assert a.opt.param_groups[0]["lr"] == 1e-3
+    with pytest.raises(ValueError, match="lr or optimizer") as e:
+        adapter("dp_tent", lr=1e-3, optimizer=partial(torch.optim.Adam, lr=1e-3))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(method="tentt", lr=0.1), "unknown method"),
     (dict(method="tent", eps=1.0, lr=0.1), "eps is for dp_ methods"),
@@ -1848,6 +2112,7 @@ def test_adapts_inside_no_grad_and_inference_mode_and_skips_an_empty_batch(metho
     (dict(method="tent", lr=0.0), "needs a finite lr > 0"),
     (dict(method="dp_tent", eps=5.0, clip=1.0, lr=-1.0), "needs a finite lr > 0"),
     (dict(method="tent", lr=math.inf), "needs a finite lr > 0"),
+    (dict(method="tent", lr=1e308), "needs a finite lr > 0"),  # SGD's fp32 θ: an overflow
     (dict(method="tent"), "needs a finite lr > 0"),
     (dict(method="tent", lr=0.1, e_margin=0.4), "has no constant e_margin"),
     (dict(method="dp_eata", eps=5.0, clip=1.0, lr=0.1, d_margin=0.05), "has no constant d_margin"),
@@ -2244,7 +2509,8 @@ def audit_table(confidence=0.95):
     print(f"\nthe original's ceiling at {original:,} trials (all told apart): {top:.2f}")
 
 
-def test_the_readmes_header_is_what_the_cards_smoke_command_prints(monkeypatch, capsys):
+def test_the_readmes_header_is_what_the_cards_smoke_command_prints(monkeypatch, capsys,
+                                                                   tmp_path):
     """The README shows the header of `python dptta.py --method dp_deyo --eps 5 --synthetic 4`;
     the oracle is the real command's output (its header: the run itself is cut short)."""
     text = open(os.path.join(HERE, "README.md")).read()
@@ -2252,7 +2518,8 @@ def test_the_readmes_header_is_what_the_cards_smoke_command_prints(monkeypatch, 
     header = [line[4:] for line in shown if line.startswith("    ")][:9]
     monkeypatch.setattr(dptta, "adapt", lambda *args: 0)  # the header, not the stream
     monkeypatch.setattr(dptta.torch.cuda, "is_available", lambda: False)
-    dptta.main(["--method", "dp_deyo", "--eps", "5", "--synthetic", "4", "--out", os.devnull])
+    dptta.main(["--method", "dp_deyo", "--eps", "5", "--synthetic", "4", "--out",
+                str(tmp_path / "r.jsonl")])
     printed = capsys.readouterr().out.splitlines()
     assert printed[:9] == header
 
@@ -2341,6 +2608,7 @@ def cli_models(monkeypatch):
         return copy.deepcopy(_CLI_MODELS[key])
 
     monkeypatch.setattr(timm, "create_model", cached)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (no probe of the Hub either)
 
 
 @pytest.fixture(scope="module")
@@ -2373,6 +2641,13 @@ def cli_tree(tmp_path_factory):
         weights = timm.create_model(CLI_MODEL, pretrained=False).state_dict()
     weights["head.bias"][r_classes] += 50.0  # every image predicted as one of the 3
     torch.save(weights, root / "ckpt.pth")
+    torch.save(nn.Linear(2, 2).state_dict(), root / "other.pth")  # another model's weights
+    (root / "text.pth").write_text("not a checkpoint\n")
+    # a class folder linked to another of its stream, and a corruption linked to another
+    jpegs(root / "linked" / "gaussian_noise" / "5" / wnids[4], 2)
+    os.symlink(wnids[4], root / "linked" / "gaussian_noise" / "5" / wnids[5])
+    jpegs(root / "twice" / "gaussian_noise" / "5" / wnids[4], 2)
+    os.symlink("gaussian_noise", root / "twice" / "shot_noise")
     return types.SimpleNamespace(root=root, c=str(root / "c"), bad=str(root / "bad"),
                                  clean=str(root / "clean"), r=str(root / "r"),
                                  sub=str(root / "sub"), r_classes=r_classes,
@@ -2447,6 +2722,31 @@ CLI_BAD = {
     "no data at all": (["NODATA"], "no data"),
     "Fisher data inside the stream": (["DATA", "--method", "eata", "--fisher-data",
                                        "{c}/gaussian_noise/5"], "--fisher-data"),
+    "checkpoint a text file": (["DATA", "--checkpoint", "{root}/text.pth"], "text.pth"),
+    "checkpoint of another model": (["DATA", "--checkpoint", "{root}/other.pth"], "other.pth"),
+    "lr beyond float32": (["--lr", "1e308"], "lr"),
+    "eps far beyond the sampler": (["--eps", "1e308"], "reach"),
+    "eps that overflows": (["--eps", "1e400"], "overflows"),
+    "eps below the resolution": (["--eps", "1e-4"], "eps"),
+    "delta below the resolution": (["--delta", "1e-13"], "delta"),
+    "constant NaN": (["--method", "dp_eata", "--hp", "e_margin=NaN"], "e_margin"),
+    "constant patch_grid 0": (["--method", "dp_deyo", "--hp", "patch_grid=0"], "patch_grid"),
+    "constant num_classes 0": (["--method", "dp_come", "--hp", "num_classes=0"], "num_classes"),
+    "constant rho negative": (["--method", "dp_sar", "--hp", "rho=-1"], "rho"),
+    "constant a bool": (["--method", "dp_sar", "--hp", "rho=true"], "rho"),
+    "constant fisher": (["--method", "eata", "--hp", "fisher=1"], "fisher"),
+    "too many synthetic images": (["--synthetic", "5000"], "--synthetic"),
+    "Fisher data for tent": (["DATA", "--method", "tent", "--fisher-data", "{root}/clean"],
+                             "--fisher-data"),
+    "clip for source": (["--method", "source", "--clip", "1"], "--clip"),
+    "delta for an original": (["--method", "tent", "--delta", "1e-5"], "--delta"),
+    "severity for ImageNet-R": (["--dataset", "imagenet_r", "--severity", "3"], "--severity"),
+    "corruptions for ImageNet-R": (["--dataset", "imagenet_r"], "--corruptions"),
+    "data with synthetic": (["--data", "{root}"], "--data"),
+    "a corruption twice": (["--corruptions", "fog,fog"], "--corruptions"),
+    "a linked class folder": (["DATA", "--data", "{root}/linked", "--corruptions",
+                               "gaussian_noise"], "again"),
+    "a linked corruption": (["DATA", "--data", "{root}/twice"], "again"),
 }
 if not torch.cuda.is_available():
     CLI_BAD["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")
@@ -2484,6 +2784,114 @@ def test_cli_an_out_it_cannot_write_and_a_summary_of_no_file_are_one_line(tmp_pa
     assert code == 2 and len(err.strip().splitlines()) == 1 and "none.jsonl" in err
 
 
+def test_cli_an_out_that_is_not_a_regular_file_is_refused(tmp_path, capsys):
+    """/dev/full (read for ever), a named pipe (a read that never ends) and a folder: refused
+    in one line, exit 2, before anything reads or writes them."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for out in ("/dev/full", pipe, tmp_path):
+        code, stdout, err = cli_main(capsys, *CLI_SMOKE, "--out", out)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "not a file" in err, err
+        assert "top-1" not in stdout
+
+
+@pytest.mark.parametrize("damage,workers", [("empty", 0), ("truncated", 0), ("corrupt", 0),
+                                            ("truncated", 1)])
+def test_cli_an_unreadable_image_stops_the_run_in_one_line_naming_it(
+        damage, workers, cli_tree, cli_models, capsys, tmp_path):
+    """An empty, truncated or corrupt JPEG in the second corruption (read in this process, or
+    in a loader's worker): exit 3 and one line that names the file, after the first
+    corruption's record and before any record of the second or of the run. The oracle: the
+    file this test damaged."""
+    root = tmp_path / "c"
+    dptta.make_synthetic_tree(str(root), CLI_TWO.split(","), 5, 2, size=32)
+    folder = root / "shot_noise" / "5"
+    bad = sorted(folder.rglob("*.JPEG"))[0]
+    data = bad.read_bytes()
+    bad.write_bytes({"empty": b"", "truncated": data[: len(data) // 2],
+                     "corrupt": bytes(range(256)) * 4}[damage])
+    out = tmp_path / "r.jsonl"
+    flags = cli_data(cli_tree) + ["--data", root, "--workers", workers, "--method", "tent"]
+    code, _, err = cli_main(capsys, *flags, "--out", out)
+    assert code == 3 and len(err.strip().splitlines()) == 1, err
+    assert str(bad) in err and "no run record" in err
+    assert [r["kind"] for r in cli_records(out)] == ["start", "corruption"]
+
+
+def test_cli_a_line_of_out_that_is_no_record_is_skipped_and_summaries_say_what_they_found(
+        cli_models, capsys, tmp_path):
+    """--out holding a JSON list and a record without a key: the run goes on, naming both lines
+    skipped; --summarize of a file with no finished run says so in one line, and of a binary
+    file refuses it in one line (exit 2)."""
+    out = tmp_path / "r.jsonl"
+    out.write_text('[1, 2]\n{"kind": "run"}\n')
+    code, stdout, _ = cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", out)
+    assert code == 0 and f"{out}:1: skipped" in stdout and f"{out}:2: skipped" in stdout
+    empty = tmp_path / "none.jsonl"
+    empty.write_text('[1, 2]\n{"kind": "start", "key": {"method": "tent"}}\n')
+    code, stdout, _ = cli_main(capsys, "--summarize", empty)
+    assert code == 0 and stdout.splitlines()[-1] == f"{empty} holds no finished run"
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(bytes(range(256)) * 8)
+    code, _, err = cli_main(capsys, "--summarize", binary)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "binary.jsonl" in err
+
+
+@pytest.mark.parametrize("model,says", [("no_such_model", "no_such_model"),
+                                        ("resnet18", 'bn="source"')])
+def test_cli_benchmark_of_an_unknown_or_a_batchnorm_model_is_one_line(model, says, capsys):
+    """--benchmark --model of a name timm does not know, or of a BatchNorm model (whose
+    clip-only and DP steps need bn="source"): one line, exit 2."""
+    code, _, err = cli_main(capsys, "--benchmark", "--device", "cpu", "--model", model,
+                            "--batch-size", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
+
+
+def test_cli_without_a_network_the_weights_error_is_quick_and_one_line(
+        cli_tree, cli_models, capsys, monkeypatch, tmp_path):
+    """A run on the Hub's weights with no network (the Hub unreachable, HF_HUB_OFFLINE unset):
+    one line that names both ways to run offline, exit 2, without asking timm (whose retries
+    take a minute); the oracle: a stand-in for the network that refuses every connection."""
+    def unreachable(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    asked = []
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(urllib.request, "urlopen", unreachable)
+    monkeypatch.setattr(timm, "create_model", lambda *a, **k: asked.append(a))
+    flags = cli_data(cli_tree)[:2] + cli_data(cli_tree)[4:]  # no --checkpoint: the Hub's
+    code, _, err = cli_main(capsys, *flags, "--out", tmp_path / "r.jsonl")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "HF_HUB_OFFLINE=1" in err and "--checkpoint" in err and not asked
+
+
+def test_cli_a_smoke_run_ignores_imagenet_c_in_the_environment(cli_models, capsys, monkeypatch,
+                                                               tmp_path):
+    """$IMAGENET_C set (to a folder that is not there) does not touch a --synthetic run."""
+    monkeypatch.setenv("IMAGENET_C", str(tmp_path / "nowhere"))
+    code, _, err = cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", tmp_path / "r.jsonl")
+    assert code == 0, err
+
+
+def test_cli_only_whole_streams_fill_the_papers_cells(cli_models, capsys, monkeypatch,
+                                                      tmp_path):
+    """A run that is a paper cell in all but its images (source on 15 corruptions of 1 image):
+    its record counts 1 image a corruption and says paper false; with a whole stream of 1 image
+    (STREAM_IMAGES patched) the same run says paper true. The oracle: the images written."""
+    root = str(tmp_path / "imagenet-c")
+    dptta.make_synthetic_tree(root, dptta.CORRUPTIONS, 5, 1, size=8)
+    info = timm.data.ImageNetInfo()
+    monkeypatch.setattr(timm.data, "ImageNetInfo", lambda: info)
+    flags = ["--method", "source", "--data", root, "--model", CLI_MODEL, "--workers", "0",
+             "--device", "cpu"]
+    for whole, out in ((50_000, tmp_path / "a.jsonl"), (1, tmp_path / "b.jsonl")):
+        monkeypatch.setitem(dptta.STREAM_IMAGES, "imagenet_c", whole)
+        assert cli_main(capsys, *flags, "--out", out)[0] == 0
+        run = cli_records(out)[-1]
+        assert run["images"] == {c: 1 for c in dptta.CORRUPTIONS}
+        assert run["paper"] is (whole == 1)
+
+
 def test_cli_writes_a_record_per_corruption_then_the_finished_run(cli_models, capsys,
                                                                   monkeypatch, tmp_path):
     """A continual run appends one record per corruption, then one finished-run record whose
@@ -2495,9 +2903,11 @@ def test_cli_writes_a_record_per_corruption_then_the_finished_run(cli_models, ca
     code, stdout, _ = cli_main(capsys, *CLI_SMOKE, "--method", "dp_tent", "--synthetic", "3",
                                "--limit", "2", "--seed", "1", "--out", out)
     assert code == 0
-    records = cli_records(out)
+    start, *records = cli_records(out)
+    assert start["kind"] == "start" and start["key"] == records[-1]["key"]
     assert [r["kind"] for r in records] == ["corruption", "corruption", "run"]
     assert [r["corruption"] for r in records[:2]] == CLI_TWO.split(",")
+    assert [r["images"] for r in records[:2]] == [2, 2]  # --limit's
     run = records[2]
     assert all(r["key"] == run["key"] for r in records)
     expected = dict(method="dp_tent", eps=5.0, delta=1e-6, clip=1, lr=1e-3, hp={}, batch_size=2,
@@ -2510,6 +2920,11 @@ def test_cli_writes_a_record_per_corruption_then_the_finished_run(cli_models, ca
     assert run["top1"] == top1 and run["mean_top1"] == pytest.approx(np.mean(list(top1.values())))
     assert all(t in (0, 50, 100) for t in top1.values())  # hits out of --limit's 2 images
     assert run["paper"] is False  # a smoke run is never one of the paper's cells
+    assert run["smoke"] is True and run["sigma"] == pytest.approx(1.9601, abs=1e-4)
+    assert run["mu"] == pytest.approx(2 / run["sigma"], rel=1e-12)
+    assert run["versions"] == dict(torch=torch.__version__, timm=timm.__version__,
+                                   python=sys.version.split()[0])
+    assert run["device_name"] and run["images"] == {c: 2 for c in CLI_TWO.split(",")}
     assert f"appended to {out}" in stdout
     assert len(calls) == 2  # a batch a corruption: the second meets what the first left
     assert not torch.equal(calls[1].theta, calls[0].theta) and calls[1].optimizer_state > 0
@@ -2532,8 +2947,8 @@ def test_cli_episodic_starts_each_corruption_at_theta0(cli_models, capsys, monke
 def test_cli_run_key_changes_with_every_flag_that_changes_a_result(cli_tree):
     """Every flag that changes a result changes the run's key, and --workers and --out do
     not; the oracle: the key of one base run against the same run with one flag changed."""
-    base = ["--data", cli_tree.c, "--method", "dp_tent", "--eps", "5", "--clip", "1", "--lr",
-            "0.001", "--model", CLI_MODEL, "--batch-size", "2", "--corruptions", CLI_TWO]
+    base = ["--method", "dp_tent", "--eps", "5", "--clip", "1", "--lr", "0.001", "--model",
+            CLI_MODEL, "--batch-size", "2"]
 
     def key(*changes):
         args = dptta.parse_args(base + list(changes))
@@ -2542,11 +2957,11 @@ def test_cli_run_key_changes_with_every_flag_that_changes_a_result(cli_tree):
     changes = [["--eps", "4"], ["--delta", "1e-5"], ["--clip", "2"], ["--lr", "0.01"],
                ["--method", "dp_eata", "--hp", "fisher_lambda=1"], ["--method", "dp_eata"],
                ["--model", "test_vit2"], ["--checkpoint", cli_tree.ckpt],
-               ["--data", cli_tree.bad], ["--dataset", "imagenet_r"], ["--severity", "3"],
+               ["--data", cli_tree.c], ["--dataset", "imagenet_r"], ["--severity", "3"],
                ["--corruptions", "gaussian_noise"], ["--setting", "episodic"],
                ["--batch-size", "4"], ["--accumulate", "2"], ["--bn", "source"],
                ["--seed", "1"], ["--limit", "3"], ["--synthetic", "4"],
-               ["--fisher-data", cli_tree.clean]]
+               ["--method", "dp_eata", "--fisher-data", cli_tree.clean]]
     keys = [json.dumps(key(*change), sort_keys=True) for change in changes]
     assert len(set(keys + [json.dumps(key(), sort_keys=True)])) == len(changes) + 1
     assert key("--workers", "3", "--out", "elsewhere.jsonl") == key()
@@ -2566,14 +2981,15 @@ def test_cli_an_unfinished_run_reruns_whole_and_a_finished_one_is_skipped(
         return logits
 
     cli_spy(monkeypatch, kill_at_second_corruption)
-    with pytest.raises(KeyboardInterrupt):
-        cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", out)
-    assert [r["kind"] for r in cli_records(out)] == ["corruption"]
+    code, _, err = cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", out)
+    assert code == 130 and err.strip() == "dptta.py: tent interrupted; no run record written"
+    assert [r["kind"] for r in cli_records(out)] == ["start", "corruption"]
 
     calls = cli_spy(monkeypatch)
     assert cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", out)[0] == 0
     assert len(calls) == 2  # the whole run again, its first corruption too
-    assert [r["kind"] for r in cli_records(out)] == ["corruption"] * 3 + ["run"]
+    kinds = ["start", "corruption", "start", "corruption", "corruption", "run"]
+    assert [r["kind"] for r in cli_records(out)] == kinds
 
     before = out.read_text()
     code, stdout, _ = cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", out)
@@ -2581,7 +2997,7 @@ def test_cli_an_unfinished_run_reruns_whole_and_a_finished_one_is_skipped(
     assert "skipped" in stdout and "another --out" in stdout
 
     # this key's corruption records, and a finished-run record of the same run at another seed
-    corruptions, finished = before.splitlines()[1:3], json.loads(before.splitlines()[3])
+    corruptions, finished = before.splitlines()[3:5], json.loads(before.splitlines()[5])
     finished["key"]["seed"] = 1
     other = tmp_path / "other.jsonl"
     other.write_text("".join(line + "\n" for line in corruptions + [json.dumps(finished)]))
@@ -2608,7 +3024,8 @@ def test_cli_non_finite_logits_or_theta_stop_the_run_with_exit_3(
                             "--out", out)
     assert code == 3 and len(err.strip().splitlines()) == 1, err
     assert "shot_noise, batch 1" in err
-    assert [r["corruption"] for r in cli_records(out)] == ["gaussian_noise"]  # no "run"
+    assert [r["kind"] for r in cli_records(out)] == ["start", "corruption"]  # no "run"
+    assert cli_records(out)[1]["corruption"] == "gaussian_noise"
 
 
 def cli_gdp_delta(eps, sigma):
@@ -2751,6 +3168,48 @@ def test_cli_summarize_tables_the_papers_finished_runs_mean_and_std_over_seeds(t
     listed_apart = out[out.index("other runs"):]
     assert "11.1 ± 0.0 (1)" in listed_apart and "22.2 ± 0.0 (1)" in listed_apart
     assert "99.5" not in out and "3.0 ±" not in out  # the per-corruption and the redone record
+
+
+def test_cli_summarize_counts_each_cells_attempts_started_and_finished(tmp_path, capsys):
+    """A start record per attempt fills no table, and the summary counts them per cell: dp_tent
+    started twice (killed once), finished once; tent started and finished once. The oracle:
+    the records written here."""
+    killed = cli_run_record("dp_tent", "continual", 0, 60.0, eps=5.0, clip=1, lr=1e-3)
+    done = cli_run_record("tent", "continual", 0, 61.0, lr=1e-4)
+    records = [dict(kind="start", key=killed["key"], time=1.0),
+               dict(kind="start", key=killed["key"], time=2.0), killed,
+               dict(kind="start", key=done["key"], time=3.0), done]
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, _ = cli_main(capsys, "--summarize", path)
+    assert code == 0 and "attempts: 3 started, 2 finished" in out
+    killed_cells = [line for line in out.splitlines() if " started, " in line][1:]
+    assert len(killed_cells) == 1 and killed_cells[0].startswith("  2 started, 1 finished: ")
+    assert '"method": "dp_tent"' in killed_cells[0]
+    table = cli_table(out, "imagenet_c severity 5 | continual | vit_base | cuda")
+    assert table["tent"]["ε=5"] == "60.0 ± 0.0 (1)"  # each run once: no attempt in a cell
+
+
+def test_cli_sigterm_leaves_no_synthetic_tree_behind(tmp_path):
+    """python dptta.py --synthetic, stopped by SIGTERM (a grid's stop) once its temporary tree
+    is written: exit 143, and the tree is gone; the oracle: the temporary folder's contents."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp))
+    p = subprocess.Popen([sys.executable, "dptta.py", *CLI_SMOKE, "--synthetic", "300",
+                          "--out", str(tmp_path / "r.jsonl")], cwd=HERE, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 120
+        while not list(tmp.rglob("*.JPEG")) and time.time() < deadline:
+            time.sleep(0.05)
+        assert list(tmp.rglob("*.JPEG"))
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 143
+        assert list(tmp.iterdir()) == []
+    finally:
+        p.kill()
+        p.stderr.close()
 
 
 def test_only_the_papers_cells_are_paper_runs():
@@ -2935,12 +3394,13 @@ def test_cli_runs_as_a_program(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "mean top-1" in r.stdout
-    assert [x["kind"] for x in cli_records(out)] == ["corruption", "corruption", "run"]
+    assert [x["kind"] for x in cli_records(out)] == ["start", "corruption", "corruption", "run"]
 
 
 # ----------------------------------------------------------------------------
 # The grid: run_imagenet_c.sh
 GRID = os.path.join(HERE, "run_imagenet_c.sh")
+GRID_DPTTA = os.path.join(HERE, "dptta.py")  # as the grid names it: beside itself
 GRID_METHODS = ["tent", "eata", "sar", "deyo", "deyo_come"]
 GRID_EPS = ["20", "15", "10", "5", "1"]
 # the constants the paper's scripts changed, on the filtered runs only (the paper's appendix)
@@ -2948,13 +3408,13 @@ GRID_CONSTANTS = {"sar": "e_margin=0.5", "deyo": "plpd_threshold=0.3",
                   "deyo_come": "plpd_threshold=0.3"}
 
 
-def grid_env(python="python3", cuda="", **variables):
+def grid_env(PYTHON="python3", cuda="", **variables):
     """The grid's environment: the grid's variables unset unless given (None: unset);
     CUDA_VISIBLE_DEVICES="" (no GPU) unless given (None: unset)."""
     names = ("METHODS", "VARIANTS", "EPSILONS", "SETTINGS", "SEEDS", "OUT", "EXTRA", "IMAGENET_C",
              "CUDA_VISIBLE_DEVICES")
     env = {k: v for k, v in os.environ.items() if k not in names}
-    env.update(PYTHON=python, CUDA_VISIBLE_DEVICES=cuda, **variables)
+    env.update(PYTHON=PYTHON, CUDA_VISIBLE_DEVICES=cuda, **variables)
     return {k: v for k, v in env.items() if v is not None}
 
 
@@ -2968,7 +3428,7 @@ def grid_cell(line):
     """(method, eps, clip, hp, setting, seed) of a dry-run line, read from its words (every
     word after dptta.py a flag and its value), and the words."""
     words = shlex.split(line)
-    assert words[1] == "dptta.py" and len(words) % 2 == 0, line
+    assert words[1] == GRID_DPTTA and len(words) % 2 == 0, line
     pairs = list(zip(words[2::2], words[3::2]))
     flags = dict(pairs)
     eps, clip = flags.get("--eps"), flags.get("--clip")
@@ -3000,12 +3460,11 @@ def test_grid_dry_run_prints_exactly_the_papers_216_cells():
     cells = [grid_cell(line)[0] for line in lines]
     assert len(cells) == 216 and set(cells) == expected
     tail = " --out results.jsonl --device cpu"
-    for line in ["python3 dptta.py --method source --setting continual --seed 0",
-                 "python3 dptta.py --method sar --hp e_margin=0.5 --setting continual --seed 2",
-                 ("python3 dptta.py --method deyo --clip 35 --hp plpd_threshold=0.3 --setting "
-                  "episodic --seed 1"),
-                 "python3 dptta.py --method dp_eata --eps 1 --setting episodic --seed 0"]:
-        assert line + tail in lines
+    for line in ["--method source --setting continual --seed 0",
+                 "--method sar --hp e_margin=0.5 --setting continual --seed 2",
+                 "--method deyo --clip 35 --hp plpd_threshold=0.3 --setting episodic --seed 1",
+                 "--method dp_eata --eps 1 --setting episodic --seed 0"]:
+        assert f"python3 {shlex.quote(GRID_DPTTA)} {line}{tail}" in lines
 
 
 def test_grid_cells_are_the_papers_cells_as_dptta_prepares_them(cli_models, capsys, monkeypatch,
@@ -3072,12 +3531,15 @@ def test_grid_runs_the_subset_its_variables_name():
 
 def grid_fake_python(tmp_path, body=""):
     """A PYTHON for the grid that runs nothing: it logs each call (its argv and
-    CUDA_VISIBLE_DEVICES) as a JSON line in tmp_path/calls, then runs `body`."""
+    CUDA_VISIBLE_DEVICES) as a JSON line in tmp_path/calls, then runs `body` (but for the
+    grid's check of dptta, python -c ..., which passes)."""
     fake = tmp_path / "fake-python"
     fake.write_text(f"""#!{sys.executable}
 import json, os, sys, time
 with open({str(tmp_path / 'calls')!r}, "a") as f:
     f.write(json.dumps([sys.argv[1:], os.environ.get("CUDA_VISIBLE_DEVICES")]) + "\\n")
+if sys.argv[1] == "-c":
+    sys.exit(0)
 {body}
 """)
     fake.chmod(0o755)
@@ -3085,10 +3547,12 @@ with open({str(tmp_path / 'calls')!r}, "a") as f:
 
 
 def grid_calls(tmp_path):
+    """The fake interpreter's calls but the grid's one check of dptta (python -c ...)."""
     path = tmp_path / "calls"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    calls = [json.loads(line) for line in path.read_text().splitlines()]
+    return [call for call in calls if call[0][:1] != ["-c"]]
 
 
 GRID_BAD = {  # (variables, arguments, the name the one line gives)
@@ -3105,6 +3569,10 @@ GRID_BAD = {  # (variables, arguments, the name the one line gives)
     "data root unset": (dict(IMAGENET_C=None), (), "IMAGENET_C"),
     "data root missing": (dict(IMAGENET_C="/nonexistent/imagenet-c"), (), "IMAGENET_C"),
     "unknown argument": ({}, ("--dryrun",), "--dryrun"),
+    "OUT in a missing folder": (dict(OUT="/nonexistent/r.jsonl"), (), "OUT"),
+    "PYTHON not a command": (dict(PYTHON="/nonexistent/python"), (), "PYTHON"),
+    "FISHER_DATA not a folder": (dict(FISHER_DATA="/nonexistent/clean"), (), "FISHER_DATA"),
+    "fisher data in EXTRA": (dict(EXTRA="--limit 9 --fisher-data /clean"), (), "FISHER_DATA"),
 }
 
 
@@ -3114,7 +3582,8 @@ def test_grid_refuses_a_bad_variable_before_its_first_cell(tmp_path):
     oracle: the fake interpreter's log of calls."""
     fake = grid_fake_python(tmp_path)
     for case, (variables, args, name) in GRID_BAD.items():
-        r = grid_run(*args, python=fake, **dict(dict(IMAGENET_C=str(tmp_path)), **variables))
+        variables = dict(dict(IMAGENET_C=str(tmp_path), PYTHON=fake), **variables)
+        r = grid_run(*args, **variables)
         assert r.returncode == 2 and r.stdout == "", (case, r.stdout, r.stderr)
         assert len(r.stderr.splitlines()) == 1 and name in r.stderr, (case, r.stderr)
         assert grid_calls(tmp_path) == [], case
@@ -3129,7 +3598,7 @@ def test_grid_runs_each_cell_once_on_its_workers_gpu_names_failures_and_summariz
     fake = grid_fake_python(tmp_path, 'sys.exit(3 if "dp_sar" in sys.argv else 0)')
     env = dict(METHODS="tent sar", VARIANTS="plain dp", EPSILONS="5", SEEDS="0 1",
                SETTINGS="continual", OUT=str(tmp_path / "out file.jsonl"),
-               EXTRA="--fisher-data /clean --limit 9", IMAGENET_C=str(tmp_path))
+               EXTRA="--limit 9 --workers 2", IMAGENET_C=str(tmp_path))
     workers, cuda = gpus.split(","), gpus
     if gpus == "":
         workers = [""]  # one worker, CUDA_VISIBLE_DEVICES left as it is
@@ -3141,22 +3610,80 @@ def test_grid_runs_each_cell_once_on_its_workers_gpu_names_failures_and_summariz
         (shims / "nvidia-smi").chmod(0o755)
         env["PATH"] = f"{shims}:{os.environ['PATH']}"
         workers, cuda = ["0", "1"], None
-    dry = grid_run("--dry-run", python=fake, cuda=cuda, **env)
-    r = grid_run(python=fake, cuda=cuda, **env)
+    dry = grid_run("--dry-run", PYTHON=fake, cuda=cuda, **env)
+    r = grid_run(PYTHON=fake, cuda=cuda, **env)
     commands = [shlex.split(line)[1:] for line in dry.stdout.splitlines()]
     assert len(commands) == 2 * (1 + 1 + 1 + 1) and grid_calls(tmp_path)  # tent, sar x 2 each
     calls = grid_calls(tmp_path)
-    assert calls[-1] == [["dptta.py", "--summarize", env["OUT"]], calls[-1][1]]  # last
+    assert calls[-1] == [[GRID_DPTTA, "--summarize", env["OUT"]], calls[-1][1]]  # last
     cells = calls[:-1]
     assert sorted(map(json.dumps, [argv for argv, _ in cells])) == sorted(map(json.dumps, commands))
     for j, argv in enumerate(commands):
         gpu = next(g for a, g in cells if a == argv)
         assert gpu == workers[j % len(workers)], (j, gpu)
         assert ("--device" in argv) == (gpus == "")
-        assert argv[-4:] == ["--fisher-data", "/clean", "--limit", "9"]
+        assert argv[-4:] == ["--limit", "9", "--workers", "2"]
     failed = [line for line in r.stderr.splitlines() if "cell failed (exit 3)" in line]
     assert len(failed) == 2 and all("--method dp_sar" in line for line in failed)
     assert r.returncode == 1
+
+
+def test_grid_resolves_its_paths_against_the_callers_folder_and_gives_eata_its_fisher_data(
+        tmp_path):
+    """Run from another folder with relative IMAGENET_C, OUT and FISHER_DATA: each cell runs in
+    the caller's folder with the paths as given (so they name the caller's files), and only
+    EATA's cells (eata, dp_eata) get --fisher-data. The oracle: the fake cells' log of their
+    working folder and arguments."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "out").mkdir()
+    log = tmp_path / "cwd"
+    fake = grid_fake_python(tmp_path, f"open({str(log)!r}, 'a').write(os.getcwd() + '\\n')")
+    env = grid_env(PYTHON=fake, METHODS="tent eata", VARIANTS="plain dp", EPSILONS="5",
+                   SEEDS="0", SETTINGS="continual", IMAGENET_C="data", OUT="out/r.jsonl",
+                   FISHER_DATA="clean")
+    r = subprocess.run(["bash", GRID], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    cells = [argv for argv, _ in grid_calls(tmp_path)][:-1]  # (the last: --summarize)
+    assert len(cells) == 4 and set(log.read_text().split()) == {str(tmp_path)}
+    for argv in cells:
+        assert argv[argv.index("--out") + 1] == "out/r.jsonl"
+        eata = argv[argv.index("--method") + 1] in ("eata", "dp_eata")
+        assert ("--fisher-data" in argv) == eata
+        if eata:
+            assert argv[argv.index("--fisher-data") + 1] == "clean"
+
+
+@pytest.mark.parametrize("variables,says", [(dict(EPSILONS="5 1e400"), "1e400"),
+                                            (dict(EPSILONS="60"), "reach"),
+                                            (dict(EXTRA="--limit 9 --nope"), "--nope")])
+def test_grid_asks_dptta_itself_about_its_epsilons_and_extra_before_the_first_cell(
+        variables, says, tmp_path):
+    """An ε that overflows to inf (no noise at all) or lies beyond the sampler's reach, and
+    EXTRA that dptta.py's parser refuses: one line, exit 2, no cell run (the real interpreter
+    checks; OUT stays unwritten)."""
+    env = dict(METHODS="tent", VARIANTS="dp", SEEDS="0", SETTINGS="continual",
+               IMAGENET_C=str(tmp_path), OUT=str(tmp_path / "r.jsonl"))
+    r = grid_run(PYTHON=sys.executable, **dict(env, **variables))
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert len(r.stderr.splitlines()) == 1 and says in r.stderr, r.stderr
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+@pytest.mark.parametrize("behaviour", ["sleep 60", "exit 9"])
+def test_grid_takes_a_hanging_or_failing_nvidia_smi_for_no_gpu(behaviour, tmp_path):
+    """nvidia-smi that hangs or fails: within seconds the grid says so and runs on the CPU."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "nvidia-smi").write_text(f"#!/bin/sh\n{behaviour}\n")
+    (shims / "nvidia-smi").chmod(0o755)
+    started = time.time()
+    r = grid_run("--dry-run", cuda=None, METHODS="tent", VARIANTS="plain", SEEDS="0",
+                 SETTINGS="continual", PATH=f"{shims}:{os.environ['PATH']}")
+    assert r.returncode == 0 and time.time() - started < 15
+    assert "nvidia-smi failed or hung" in r.stderr
+    assert all(line.endswith("--device cpu") for line in r.stdout.splitlines())
 
 
 def grid_live_processes_with(token):
@@ -3181,7 +3708,7 @@ def test_grid_sigterm_leaves_no_worker_or_cell_behind(tmp_path):
     environment, and the fake cells' log."""
     fake = grid_fake_python(tmp_path, "time.sleep(60)")
     token = f"GRID_TEST_TOKEN={tmp_path}"
-    env = grid_env(python=fake, cuda="0,1", METHODS="tent", VARIANTS="plain", SEEDS="0 1",
+    env = grid_env(PYTHON=fake, cuda="0,1", METHODS="tent", VARIANTS="plain", SEEDS="0 1",
                    OUT=str(tmp_path / "o.jsonl"), IMAGENET_C=str(tmp_path),
                    GRID_TEST_TOKEN=str(tmp_path))
     p = subprocess.Popen(["bash", GRID], env=env, stdout=subprocess.DEVNULL,
