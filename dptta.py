@@ -8,23 +8,52 @@ differentially private, so that θ and every prediction for *other* images can b
     Δ   = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B      clip, sum, noise, average
     θ  ← SGD-momentum(θ, Δ)                                post-processing: free
 
-What is private: one test image, against streams that differ by replacing it (change-one: one
-clipped gradient moves the sum by at most 2C). Each image is in one step, and later steps see
-it only through θ, so the whole stream is μ-GDP with μ = 2/σ (Dong, Roth & Su 2022):
-δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ). The noise is secret: drawn from a cryptographic
-stream keyed from OS entropy (a known seed would let anyone subtract it), never copied.
+A stream shows each test image once, so the whole stream is μ-GDP in each image, μ = 2/σ: the
+block "Why it is private" below gives the argument, claim by claim.
 
     python dptta.py --method dp_deyo --eps 5 --synthetic 4     # a smoke run: CPU, a minute
     python dptta.py --method dp_deyo --eps 5                   # ImageNet-C at $IMAGENET_C, GPU
     adapter = DPTTA(model, "dp_tent", eps=5, clip=1.0, lr=1e-3)  # the library: Part I
 
-Part I (to the end of DPTTA) is the method, on torch, numpy and scipy alone: copy it.
-Part II runs it: the paper's tuned values, ImageNet-C from the command line, --summarize and
---benchmark.
+Part I (to the end of DPTTA) is the method: copy it. It needs Python >= 3.10, torch >= 2.4
+(nn.RMSNorm, torch.nn.attention), numpy and scipy, and switches torch's private functorch flag
+for vmap's per-sample fallback during its pass. Part II runs it: the paper's tuned values,
+ImageNet-C from the command line, --summarize and --benchmark.
 """
 
 # ============================================================================
 # Part I: DP-TTA
+#
+# Why it is private. The unit is one test image. Two streams are neighbours when one image is
+# replaced by another ("change-one"; Opacus counts add/remove neighbours, where the same noise
+# gives μ = 1/σ). What is released: θ after every step and every prediction made with it. The
+# guarantee: the stream is μ-GDP, Gaussian differential privacy (Dong, Roth & Su 2022): telling
+# neighbours apart is no easier than telling N(0, 1) from N(μ, 1), μ = 2/σ; as (ε, δ)-DP,
+# δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2). It rests on seven claims, each checked by a test:
+#  1. Sensitivity 2C. Each sample's gradient is its own (no BatchNorm that normalizes with the
+#     batch, no filter that reads the others, DeYO's x′ made from its image alone) and clipped
+#     as a whole to C, so replacing one moves the clipped sum by at most 2C.
+#     [test_a_private_step_does_not_peek_at_other_samples, test_deyo_context_row_depends_on_
+#     its_image_alone, test_clip_without_noise_is_the_closed_form_over_all_tensors_jointly]
+#  2. Each image in one step: a stream shows it once, and accumulate=k makes k batches one step,
+#     one noise draw. [test_an_accumulated_window_is_one_step_on_the_concatenated_batches]
+#  3. The Gaussian mechanism: N(0, σ²C²I) on the sum (not on the mean), then / B.
+#     [test_neighbouring_releases_are_mu_gdp_with_mu_2_over_sigma_by_monte_carlo]
+#  4. The noise is secret and never reused: a SHAKE-256 stream keyed from the OS, a block per
+#     release; never copied, pickled, rewound, shared by two threads or by forked workers.
+#     [test_copies_draw_noise_of_their_own_and_reset_never_rewinds_it, test_forked_workers_draw_
+#     noise_of_their_own_..., test_threads_drawing_from_one_stream_never_get_one_block_twice]
+#  5. The lattice: sum and noise are rounded to one lattice, so that floating point tells no
+#     world apart (Mironov 2012); its slack η is paid in σ. [test_a_release_lies_on_one_lattice_
+#     whatever_the_data]
+#  6. Post-processing is free: momentum or any optimizer, EATA's data-free penalty, the
+#     predictions, later steps that see an image only through θ. [test_fisher_penalty_is_added_
+#     after_the_noise_unclipped, test_a_hosts_optimizer_steps_on_the_private_delta_...]
+#  7. The sampler's reach: its cut-off is counted in δ, and an (ε, δ) it cannot serve is
+#     refused. [test_an_eps_delta_beyond_the_samplers_reach_is_refused_in_one_line]
+# The suite's audit plays the change-one game against every dp_ method (test_end_to_end_audit_*).
+# Not covered: C and lr tuned on the test stream (as the paper did). A photo in k streams (one
+# per ImageNet-C corruption) is μ√k-GDP: the command's header prints that ε too.
 import contextlib
 import hashlib
 import math
@@ -45,29 +74,276 @@ from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def need(ok, problem):
+def require(condition, problem):
     """An argument check: a ValueError whose message is one line."""
-    if not ok:
+    if not condition:
         raise ValueError(problem)
 
 
 # ----------------------------------------------------------------------------
-# 1. The accountant: one pass over the stream is μ-GDP with μ = 2/σ
+# 1. What adapts: the norm layers' affine parameters θ
+BATCH_NORM = nn.modules.batchnorm._BatchNorm  # timm's BatchNormAct2d is one too
+# The adaptable norm layers, with their subclasses (timm's LayerNorm2d, GroupNorm1, BatchNormAct2d).
+# timm's own RmsNorm subclasses none of them: add it here to adapt it.
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.instancenorm._InstanceNorm, BATCH_NORM)
+
+
+def couples_samples(module):
+    """A BatchNorm that normalizes with the batch itself: in train mode, or without running
+    statistics. Through it a sample's output, and so its gradient, depends on the others."""
+    return isinstance(module, BATCH_NORM) and (module.training or module.running_mean is None)
+
+
+def refuse_coupled_samples(model):
+    """A ValueError naming the model's BatchNorm layers that couple the samples, the fix first."""
+    coupled = [n for n, m in model.named_modules() if couples_samples(m)]
+    fix = 'bn="source" and BatchNorm running statistics (a host\'s Tent removes them: reload)'
+    require(not coupled, f"{fix}: per-sample gradients, but {coupled} normalize with the batch")
+
+
+def _trunk_cut(model, prefix=""):
+    """The name of the module where the trunk's top starts, or None: all but the last 3
+    `blocks` of a timm ViT (ViT-B/16: blocks 0-8, as SAR and DeYO adapt), all but a ResNet's
+    last layerN. A wrapper (a normalizer and the model, a module holding .model) is looked
+    through, to the one child that holds every parameter."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.Sequential) and len(blocks) > 3:
+        return f"{prefix}blocks.{len(blocks) - 3}"
+    layers = [name for name, _ in model.named_children() if re.fullmatch(r"layer\d+", name)]
+    if len(layers) > 1:
+        return prefix + max(layers, key=lambda name: int(name[5:]))
+    holders = [(name, c) for name, c in model.named_children() if list(c.parameters())]
+    if len(holders) == 1:
+        name, child = holders[0]
+        return _trunk_cut(child, f"{prefix}{name}.")
+    return None
+
+
+def adaptable_params(model, *, norms="all", per_sample=True):
+    """{name: parameter} of the norm layers' affine parameters, in the model's order: "all", or
+    "lower", those below the trunk's top (SAR, DeYO). per_sample refuses BatchNorm, whose train
+    mode mixes the samples (DPTTA passes False where bn="source" freezes it, a per-sample map)."""
+    batch_norms = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
+    fix = 'bn="source" freezes BatchNorm at its source statistics'
+    require(not (per_sample and batch_norms), f"{fix}: per-sample, but {batch_norms} mix samples")
+    cut = None
+    if norms == "lower":
+        cut = _trunk_cut(model)
+        if cut is None:  # said, not silent: SAR's and DeYO's norms are not all of them
+            warnings.warn("no trunk (timm's `blocks`, a ResNet's layerN) found: every norm adapts")
+    params = {}
+    for name, module in model.named_modules():
+        if name == cut:
+            break
+        if isinstance(module, NORMS):
+            for leaf, p in module.named_parameters(recurse=False):
+                params[f"{name}.{leaf}"] = p
+    require(params, "the model has no norm-layer affine parameters to adapt")
+    return params
+
+
+# ----------------------------------------------------------------------------
+# 2. The per-sample gradients: every g_i from one vmapped forward and one ordinary backward
+def logits_of(out):
+    """The logits [B, K] in a model's output: the output itself, or its .logits (Hugging Face)."""
+    return getattr(out, "logits", out)
+
+
+def per_sample_grads(model, params, loss_fn, x, context=None, *, chunk_size=None):
+    """Every sample's own gradient g_i = ∇θ loss_fn(f_θ(x_i), context_i), and the logits:
+    ({name: g [B, *shape]}, logits [B, K]). loss_fn maps (logits [N, K], context rows or None)
+    to one loss per sample, [N]; context row i is sample i's own (DeYO's shuffled softmax).
+
+    The trick. The textbook way, vmap(grad(ℓ)) over the batch, runs autograd *inside* vmap,
+    and the backward of the GPU's fused attention kernels (flash, efficient, cuDNN) has no
+    batching rule: ViT-B/16 at batch 64 would call it 64 × 12 times per step, one image at a
+    time. Instead every sample gets its own view θ_i of the parameters ([B, *shape], an
+    expand: nothing is copied), the forward runs under vmap over (θ_i, x_i), and ONE ordinary
+    backward of Σ_i ℓ_i gives every g_i at once: ℓ_i is the only term that touches θ_i, so
+    ∂(Σ_j ℓ_j)/∂θ_i = ∇ℓ_i exactly, and autograd runs each backward kernel once on the whole
+    batch."""
+    refuse_coupled_samples(model)  # claim 1: no sample's output may read another's
+    frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
+    frozen.update(model.named_buffers())
+    if chunk_size is None:  # the whole batch on a GPU; on a CPU 8, which stay in cache
+        chunk_size = 8 if x.device.type == "cpu" else len(x)
+    rows = context
+    if context is None:
+        rows = x.new_zeros(len(x), 0)  # vmap needs a tensor to map over
+
+    def loss_one(theta_i, x_i, row_i):  # under vmap: one sample and its own view θ_i
+        logits = logits_of(functional_call(model, (theta_i, frozen), (x_i[None],)))
+        if context is None:
+            return loss_fn(logits, None)[0], logits[0]
+        return loss_fn(logits, row_i[None])[0], logits[0]
+
+    def batched_pass():
+        grads, logits = [], []
+        for xs, rs in zip(x.split(chunk_size), rows.split(chunk_size)):
+            # θ_i: a view of θ per sample, [n, *shape], nothing copied
+            theta = {n: p.detach().expand(len(xs), *p.shape) for n, p in params.items()}
+            theta = {n: t.requires_grad_() for n, t in theta.items()}
+            losses, z = vmap(loss_one)(theta, xs, rs)
+            # one backward of Σ_i ℓ_i: ∂/∂θ_i is g_i
+            g = torch.autograd.grad(losses.sum(), list(theta.values()), materialize_grads=True)
+            grads.append(g)
+            logits.append(z.detach())
+        return {n: torch.cat(g) for n, g in zip(params, zip(*grads))}, torch.cat(logits)
+
+    # Ops without a batching rule, swapped for exact equivalents during the pass: SDPA's fused
+    # CPU kernel (not even its forward batches) for its math kernel; nn.MultiheadAttention's
+    # fast path (torchvision's ViT) for its plain path; and nn.AdaptiveAvgPool2d of a
+    # channels-last input (torchvision's ConvNeXt, Swin), which restrides its mean in place
+    # (aten::as_strided_), given the same values in contiguous memory.
+    kernels = contextlib.nullcontext()
+    if x.device.type == "cpu":
+        kernels = sdpa_kernel(SDPBackend.MATH)
+    pools = [m for m in model.modules() if isinstance(m, nn.AdaptiveAvgPool2d)]
+    hooks = [m.register_forward_pre_hook(lambda m, args: (args[0].contiguous(),)) for m in pools]
+    mha, functorch = torch.backends.mha, torch._C._functorch
+    fast_path, fallback = mha.get_fastpath_enabled(), functorch._is_vmap_fallback_enabled()
+    mha.set_fastpath_enabled(False)
+    # Any other such op would make vmap loop over the samples, one call each, unseen: first an
+    # error that names it, then the loop (exact), said once by a warning
+    functorch._set_vmap_fallback_enabled(False)
+    try:
+        with kernels:
+            try:
+                return batched_pass()
+            except RuntimeError as e:
+                op = re.search(r"(\S+) hit the vmap fallback", str(e))
+                if op is None:
+                    raise
+                warnings.warn(f"{op[1]} has no vmap batching rule: vmap runs it once per sample")
+                functorch._set_vmap_fallback_enabled(True)
+                return batched_pass()
+    finally:
+        mha.set_fastpath_enabled(fast_path)
+        functorch._set_vmap_fallback_enabled(fallback)
+        for hook in hooks:
+            hook.remove()
+
+
+# ----------------------------------------------------------------------------
+# 3. Clip and noise: the Gaussian mechanism on the sum of clipped gradients
+def at_least_fp32(t):
+    """bf16 and fp16 to fp32 (fp32 and fp64 kept): losses, Δ and θ's masters need more than
+    bf16's 8 bits of mantissa (an update below 2^-8 of θ would round away)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def clip_and_noise(grads, clip, sigma, noise_stream):
+    """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, over {name: [B, ...]} per-sample
+    tensors, in the gradients' dtype (at least fp32). noise_stream: a NoiseStream."""
+    dtypes = {n: at_least_fp32(t).dtype for n, t in grads.items()}
+    g = {n: t.double() for n, t in grads.items()}
+    # ‖g_i‖ over every tensor of sample i: a sample is clipped as a whole (claim 1)
+    norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
+    finite = torch.isfinite(norms)
+    factor = (clip / norms.clamp(min=1e-12)).clamp(max=1.0)  # min(1, C/‖g_i‖)
+    totals = {}
+    for name, t in g.items():
+        shape = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector, broadcast over t
+        # Σ_i g_i·min(1, C/‖g_i‖). A non-finite g_i counts as zero: a choice that reads sample
+        # i alone (claim 1); selected away, not scaled by 0 (NaN·0 = NaN)
+        totals[name] = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
+    if sigma > 0:  # + N(0, σ²C²I): on the sum, whose neighbours are 2C apart (claim 3)
+        totals = noisy_on_lattice(totals, clip, sigma, noise_stream)
+    batch = len(norms)  # B, the divisor: every sample, a non-finite one too; after the noise
+    return {name: (total / batch).to(dtypes[name]) for name, total in totals.items()}
+
+
+# The lattice (claim 5). Float noise takes float values only, and t + z rounds on a grid that
+# depends on t: an adversary who computes the sum t of each candidate world can find a
+# coordinate of the release that the sampler could not have produced in one of them, and name
+# the image with certainty (Mironov 2012). So the sum S (float64) is rounded to S_γ, a multiple
+# of γ, and so is the noise: the release S_γ + round_γ(Z) = round_γ(S_γ + Z),
+# Z ~ N(0, (1 + η)²σ²C²I), is the Gaussian mechanism on S_γ rounded (post-processing), on the
+# same lattice in every world, computed exactly (integers below 2^53 times a power of two).
+# Replacing one sample moves S_γ by at most 2C + γ·√d <= 2C(1 + η) when γ·√d <= η·2C, and the
+# noise's 1 + η (0.1% more than σC; the paper's scripts round σ up by 0.06-1.7%) keeps μ = 2/σ.
+ETA = 2.0**-10  # η, the lattice's slack
+MAX_COORDINATES = 10**6  # d at most: the sampler's bounds (the accountant's) are proven to here
+
+
+def noisy_on_lattice(totals, clip, sigma, noise_stream):
+    """{name: S_γ + round_γ(Z)} for the clipped sums S: one block of the stream for the whole
+    release, fresh noise for every coordinate of every tensor. A zero is +0.0: −0.0 would show
+    that S_γ rounded from below."""
+    sizes = [t.numel() for t in totals.values()]
+    d = sum(sizes)
+    require(d <= MAX_COORDINATES, f"{d} coordinates: the noise's accountant holds to 1e6")
+    # γ: the largest power of two with γ·√d <= η·2C
+    gamma = 2.0 ** math.floor(math.log2(2 * ETA * clip / math.sqrt(d)))
+    scale = (1 + ETA) * sigma * clip / gamma  # the noise's standard deviation, in γ
+    device = next(iter(totals.values())).device
+    noise = noise_stream.normal(d, device, torch.float64).split(sizes)
+    noisy = {}
+    for (name, total), z in zip(totals.items(), noise):
+        # S_γ + round_γ(Z), in multiples of γ: integers, exact in float64
+        multiples = torch.round(total / gamma) + torch.round(scale * z.view_as(total))
+        noisy[name] = (multiples + 0.0) * gamma  # −0.0 + 0.0 = +0.0
+    return noisy
+
+
+class NoiseStream:
+    """N(0, 1) draws from a cryptographic stream: block k = SHAKE-256(key ‖ k), one block per
+    release, the key 32 bytes from the OS (claim 4). seed: a replay for tests, NOT private."""
+
+    # Why not torch's generator, however seeded: DP's adversary knows every image but one, so
+    # it knows each release up to one clipped gradient, of norm <= C over all coordinates,
+    # against noise σC in *each*: it reads every draw to a fraction of a standard deviation.
+    # torch's CPU mt19937 gives its whole state away to such readings (its output bits are
+    # linear in its state bits), and with it every draw, past and future; CUDA's Philox has a
+    # 64-bit key. (Opacus' secure_mode is for this.)
+
+    def __init__(self, seed=None):
+        self.key, self.pid = os.urandom(32), os.getpid()
+        if seed is not None:  # a replay: NOT private, and replayed in a forked child too
+            self.key, self.pid = hashlib.sha256(b"dptta noise seed %d" % seed).digest(), None
+        self.blocks = 0
+        self.lock = threading.Lock()
+
+    def normal(self, n, device="cpu", dtype=torch.float32):
+        """The next block: n draws of N(0, 1), by Box-Muller in float64 on uniforms u1 of 106
+        random bits (so that the radius reaches NOISE_RADIUS) and u2 of 53."""
+        with self.lock:  # two threads never read one block number
+            if self.pid not in (None, os.getpid()):  # a forked child: its parent's key, blocks
+                self.key, self.pid = os.urandom(32), os.getpid()  # and noise, unless re-keyed
+            number = self.blocks
+            self.blocks += 1
+        block = hashlib.shake_256(self.key + number.to_bytes(8, "little"))
+        pairs = (n + 1) // 2
+        words = np.frombuffer(block.digest(24 * pairs), np.uint64) >> np.uint64(11)  # 53 bits
+        high, low, angle_bits = words.astype(np.float64).reshape(3, pairs)
+        u1 = (high + (low + 0.5) / 2.0**53) / 2.0**53  # in (0, 1]: log(u1) is finite
+        u2 = (angle_bits + 0.5) / 2.0**53
+        # z = √(−2 ln u1)·(cos 2πu2, sin 2πu2): two independent N(0, 1) per pair (u1, u2)
+        radius, angle = np.sqrt(-2 * np.log(u1)), 2 * math.pi * u2
+        z = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:n]
+        return torch.from_numpy(z).to(device=device, dtype=dtype)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a NoiseStream is never copied or pickled: the copy would draw its noise")
+
+
 # NoiseStream's reach: a Box-Muller pair of its draws lies within radius √(−2 ln u1), and its
-# u1 >= 2^-107 (see NoiseStream.normal)
+# u1 >= 2^-107
 NOISE_RADIUS = math.sqrt(-2 * math.log(2.0**-107))  # 12.18
-# The release's size d is at most this (clip_and_noise refuses more): its m <= d/2 pairs bound
-# the sampler's tail, and its resolution (below) is checked to 1e6 coordinates
-MAX_COORDINATES = 10**6
-# The accountant's floors. NoiseStream's u1 lies on a grid of 2^-106: near its reach the radii
-# it can draw thin out, and at a large σ some lattice points of the release go unreached. Their
-# chance is below 1e-18 for ε >= 1e-3 and d <= 1e6 (at most √(d/2)·e^(−r²/2), r the radius from
-# which the grid's steps exceed half a lattice step), far below δ/1000 for δ >= 1e-12
+
+
+# ----------------------------------------------------------------------------
+# 4. The accountant: one pass over the stream is μ-GDP with μ = 2/σ
+# Its floors. NoiseStream's u1 lies on a grid of 2^-106: near its reach the radii it can draw
+# thin out, and at a large σ some lattice points of a release go unreached. Their chance is
+# below 1e-18 for ε >= 1e-3 and d <= 1e6 (at most √(d/2)·e^(−r²/2), r the radius from which
+# the grid's steps exceed half a lattice step), far below δ/1000 for δ >= 1e-12.
 MIN_EPS, MIN_DELTA = 1e-3, 1e-12
 
 
 def sampler_tail(sigma):
     """The chance, per release, that NoiseStream's cut-off tells two neighbouring worlds apart.
+
     The accountant's noise has no end; the sampler's ends at radius R = NOISE_RADIUS (in units
     of σC) for each pair of coordinates. A neighbour's release is the same sum moved by a vector
     of norm at most 2C, μ = 2/σ in those units, s_k on pair k (Σ s_k² <= μ²): where this world's
@@ -105,12 +381,12 @@ def _log_gdp_delta(eps, sigma):
 def gdp_delta(*, eps, sigma):
     """δ(ε) = Φ(−σε/2 + 1/σ) − e^ε Φ(−σε/2 − 1/σ): a sum of sensitivity 2C with Gaussian
     noise of standard deviation σC is (2/σ)-GDP (Dong, Roth & Su 2022, Cor. 2.13)."""
-    need(eps > 0 and sigma >= 0, f"need eps > 0 and sigma >= 0, got {eps}, {sigma}")
+    require(eps > 0 and sigma >= 0, f"need eps > 0 and sigma >= 0, got {eps}, {sigma}")
     if sigma == 0:
         return 1.0
     if math.isinf(eps) or math.isinf(sigma):
         return 0.0
-    return float(np.exp(_log_gdp_delta(eps, sigma)))
+    return math.exp(_log_gdp_delta(eps, sigma))
 
 
 def _smallest(f, lo, hi):
@@ -131,13 +407,12 @@ def calibrate_sigma(*, eps, delta, repeats=1):
     unit: k releases of (2/σ)-GDP compose to (2√k/σ)-GDP (ibid., Cor. 3.3), so σ = √k·σ_1, and
     each release may meet the sampler's cut-off (sampler_tail). eps = inf: σ = 0.
 
-    An (ε, δ) that the sampler cannot serve is refused: the tail must stay below δ/1000, so that
-    the Gaussian keeps its δ (at δ = 1e-6: ε up to about 34), and ε and δ must be above the
-    sampler's resolution (MIN_EPS, MIN_DELTA). Where it is served, the tail is far below that:
-    at ε = 20, 3e-15 per release."""
-    need(eps >= MIN_EPS, f"eps must be >= {MIN_EPS:g} (inf: no noise), got {eps}")
-    need(MIN_DELTA <= delta < 1, f"delta must be in [{MIN_DELTA:g}, 1), got {delta}")
-    need(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
+    An (ε, δ) the sampler cannot serve is refused: its tail must stay below δ/1000, so that the
+    Gaussian keeps its δ (at δ = 1e-6: ε up to 33.5; at ε = 20 the tail is 3e-15 a release),
+    and ε and δ must be above its resolution's floors (MIN_EPS, MIN_DELTA)."""
+    require(eps >= MIN_EPS, f"eps must be >= {MIN_EPS:g} (inf: no noise), got {eps}")
+    require(MIN_DELTA <= delta < 1, f"delta must be in [{MIN_DELTA:g}, 1), got {delta}")
+    require(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
     if math.isinf(eps):
         return 0.0
     k = math.sqrt(repeats)
@@ -149,281 +424,73 @@ def calibrate_sigma(*, eps, delta, repeats=1):
     room = 2 * math.log(1000 * repeats * math.sqrt(MAX_COORDINATES / 2) / delta)
     mu_max = NOISE_RADIUS - math.sqrt(room)
     beyond = f"eps {eps:g} at delta {delta:g} is beyond the noise sampler's reach"
-    need(mu_max > 0 and excess(2 / (k * mu_max)) >= 0, beyond)  # else σ(ε) < that least σ
+    require(mu_max > 0 and excess(2 / (k * mu_max)) >= 0, beyond)  # else σ(ε) < that least σ
     return k * _smallest(excess, 2 / (k * mu_max), 4 / (k * mu_max))
 
 
 def gdp_epsilon(*, sigma, delta):
     """The smallest ε with δ(ε) <= delta at noise σ, for the accountant's Gaussian (pass delta
     less the sampler's tail to count it); inf for σ = 0 (no noise)."""
-    need(sigma >= 0, f"sigma must be >= 0, got {sigma}")
-    need(0 < delta < 1, f"delta must be in (0, 1), got {delta}")
+    require(sigma >= 0, f"sigma must be >= 0, got {sigma}")
+    require(0 < delta < 1, f"delta must be in (0, 1), got {delta}")
     if sigma == 0:
         return math.inf
     if math.isinf(sigma) or _log_gdp_delta(0.0, sigma) <= math.log(delta):  # ε = 0 meets it
         return 0.0
-    return _smallest(lambda e: np.exp(_log_gdp_delta(e, sigma)) - delta, 1e-6, 1.0)
+    return _smallest(lambda e: math.exp(_log_gdp_delta(e, sigma)) - delta, 1e-6, 1.0)
 
 
 # ----------------------------------------------------------------------------
-# 2. What adapts: the norm layers' affine parameters θ
-BATCH_NORM = nn.modules.batchnorm._BatchNorm  # timm's BatchNormAct2d is one too
-# The adaptable norm layers, with their subclasses (timm's LayerNorm2d, GroupNorm1, BatchNormAct2d).
-# timm's own RmsNorm subclasses none of them: add it here to adapt it.
-NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.instancenorm._InstanceNorm, BATCH_NORM)
+# 5. The methods, as data: a per-sample loss and a few small functions each
+# Tent (Wang et al. 2021), EATA (Niu et al. 2022), SAR (Niu et al. 2023), DeYO (Lee et al.
+# 2024), COME (Zhang et al. 2025). H: softmax entropy; H_come: COME's; E0 = e_margin·ln K;
+# "lower": the norms below the trunk's top
+# method     per-sample loss ℓ_i          original's filter            norms  extra
+# tent       H                            -                            all    -
+# come       H_come                       -                            all    -
+# eata       exp(E0 − H)·H                H < E0, |cos(m, p)| < d      all    λ·ΣF(θ − θ0)²
+# sar        H                            H < E0; reset on collapse    lower  SAM, ρ·g/‖g‖
+# deyo       (exp(E0 − H) + e^PLPD)·H     H < deyo_margin·ln K, PLPD   lower  x′: shuffled
+# deyo_come  as deyo, H_come for H        as deyo, with H_come         lower  as deyo
+# dp_<one of them>: the same ℓ_i clipped and noised, no filter; SAR's ascent along the last Δ
+@dataclass(frozen=True)
+class Method:
+    """A test-time adaptation method as data: DPTTA runs any such record, one of METHODS or
+    one's own. Functions take hp, the method's constants as the adapter has them."""
+
+    # in records and tables
+    name: str
+    # ℓ_i(logits [N, K], context, hp) -> [N]: each sample's own loss, clipped per sample
+    loss: Callable = None
+    # the original's filter: (logits, context, state, hp) -> (keep [N] bool, its new state)
+    filter: Callable = None
+    # (model, x, generator, hp) -> context, ℓ_i's other input (DeYO's softmax of the shuffled
+    # x′), row i from image i alone (claim 1)
+    context: Callable = None
+    # "all", or "lower": the norms below the trunk's top (SAR, DeYO)
+    norms: str = "all"
+    # (θ, θ0, hp) -> {name: gradient} of a data-free term, added after the noise; or None
+    penalty: Callable = None
+    # "plain", "sam" (SAR's sharpness-aware step; its DP variant is DP-SAT) or "none"
+    step: str = "plain"
+    # the defaults of hp: those that loss, context, penalty and step read ...
+    constants: dict = field(default_factory=dict)
+    # ... and those only the original's data-dependent choices read (its filter, SAR's reset)
+    filter_constants: dict = field(default_factory=dict)
+    # a DP variant, made by private()
+    dp: bool = False
 
 
-def couples_samples(module):
-    """A BatchNorm that normalizes with the batch itself: in train mode, or without running
-    statistics. Through it a sample's output, and so its gradient, depends on every other
-    sample of the batch, and the sensitivity 2C no longer holds."""
-    return isinstance(module, BATCH_NORM) and (module.training or module.running_mean is None)
+def private(method):
+    """The DP variant, by the paper's recipe: ℓ_i clipped and noised, the penalty after the
+    noise, SAM's ascent along the previous private gradient (DP-SAT, Park et al. 2023). The
+    filter goes with the constants only it read: whether sample i counts must not depend on
+    sample j, and how many are kept (the divisor) is data. SAR's reset goes too: decided on a
+    batch's entropy, it would be a release of its own."""
+    return replace(method, name="dp_" + method.name, filter=None, filter_constants={}, dp=True)
 
 
-def refuse_coupled_samples(model):
-    """A ValueError naming the model's BatchNorm layers that couple the samples, if any."""
-    coupled = [n for n, m in model.named_modules() if couples_samples(m)]
-    fix = 'bn="source" and BatchNorm running statistics (a host\'s Tent removes them: reload)'
-    need(not coupled, f"{fix}: per-sample gradients, but {coupled} normalize with the batch")
-
-
-def _trunk_cut(model, prefix=""):
-    """The name of the module where the trunk's top starts; SAR and DeYO adapt the norms
-    registered before it: all but the last 3 `blocks` of a timm ViT (ViT-B/16: blocks 0-8, as
-    SAR and DeYO adapt), all but a ResNet's last layerN (layer4). A wrapper (a normalizer and
-    the model, a module holding .model) is looked through to the one child that holds every
-    parameter. None where there is no such trunk."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.Sequential) and len(blocks) > 3:
-        return f"{prefix}blocks.{len(blocks) - 3}"
-    layers = [name for name, _ in model.named_children() if re.fullmatch(r"layer\d+", name)]
-    if len(layers) > 1:
-        return prefix + max(layers, key=lambda name: int(name[5:]))
-    holders = [(name, c) for name, c in model.named_children() if list(c.parameters())]
-    if len(holders) == 1:
-        name, child = holders[0]
-        return _trunk_cut(child, f"{prefix}{name}.")
-    return None
-
-
-def adaptable_params(model, *, skip_top=False, per_sample=True):
-    """{name: parameter} of the norm layers' affine parameters, in the model's order.
-
-    skip_top: only those below the trunk's top (SAR, DeYO; see _trunk_cut). per_sample: refuse
-    a model with BatchNorm, whose train mode mixes the samples; DPTTA passes False where
-    bn="source" freezes it at its source statistics, a per-sample map."""
-    batch_norms = [n for n, m in model.named_modules() if isinstance(m, BATCH_NORM)]
-    # its train mode mixes the samples of a batch
-    fix = 'bn="source" freezes BatchNorm at its source statistics'
-    need(not (per_sample and batch_norms), f"{fix}: per-sample, but {batch_norms} mix samples")
-    cut = _trunk_cut(model) if skip_top else None
-    if skip_top and cut is None:
-        warnings.warn("no trunk (timm's `blocks`, a ResNet's layerN) found: every norm adapts")
-    params = {}
-    for name, module in model.named_modules():
-        if name == cut:
-            break
-        if isinstance(module, NORMS):
-            for leaf, p in module.named_parameters(recurse=False):
-                params[f"{name}.{leaf}"] = p
-    need(params, "the model has no norm-layer affine parameters to adapt")
-    return params
-
-
-# ----------------------------------------------------------------------------
-# 3. The per-sample pass: every g_i from one vmapped forward and one ordinary backward
-def logits_of(out):
-    """The logits [B, K] in a model's output: the output itself, or its .logits (Hugging Face)."""
-    return getattr(out, "logits", out)
-
-
-def per_sample_grads(model, params, loss_fn, x, ctx=None, *, chunk_size=None):
-    """Every sample's own gradient, and the logits: ({name: g [B, *shape]}, logits [B, K]).
-
-    g_i = ∇θ loss_fn(f_θ(x_i), ctx_i), where loss_fn maps (logits [N, K], ctx [N, ...] or None)
-    to one loss per sample, [N]; ctx is the loss's other input, row i sample i's own (DeYO's
-    softmax of the shuffled x′_i).
-
-    The trick. The textbook way, vmap(grad(ℓ)) over the batch, runs autograd *inside* vmap,
-    and the backward of the GPU's fused attention kernels (flash, efficient, cuDNN) has no
-    batching rule: ViT-B/16 at batch 64 would call it 64 × 12 times per step, one image at a
-    time. Instead every sample gets its own view θ_i of the parameters ([B, *shape], an
-    expand: nothing is copied), the forward runs under vmap over (θ_i, x_i), and ONE ordinary
-    backward of Σ_i ℓ_i gives every g_i at once: ℓ_i is the only term that touches θ_i, so
-    ∂(Σ_j ℓ_j)/∂θ_i = ∇ℓ_i exactly, and autograd runs each backward kernel once on the whole
-    batch. The batch goes through in one piece on a GPU, and in chunks of 8 on a CPU, where
-    they stay in cache.
-
-    A sample's gradient must not depend on the others: a BatchNorm that normalizes with the
-    batch is refused. Two ops without a batching rule are swapped for exact equivalents during
-    the pass: SDPA's fused CPU kernel for its math kernel, nn.MultiheadAttention's fast path
-    (torchvision's ViT) for its plain path. And vmap's per-sample fallback is switched off: an
-    op with no batching rule would make vmap loop over the samples, one call each, unseen; it
-    is an error instead, which names the op."""
-    refuse_coupled_samples(model)
-    frozen = {n: t.detach() for n, t in model.named_parameters() if n not in params}
-    frozen.update(model.named_buffers())
-    if chunk_size is None:  # the whole batch on a GPU; on a CPU 8, which stay in cache
-        chunk_size = 8 if x.device.type == "cpu" else len(x)
-    ctxs = x.new_zeros(len(x), 0) if ctx is None else ctx  # vmap needs a tensor to map over
-
-    def loss_one(theta_i, x_i, ctx_i):  # under vmap: one sample and its own view θ_i
-        logits = logits_of(functional_call(model, (theta_i, frozen), (x_i[None],)))
-        if ctx is None:
-            return loss_fn(logits, None)[0], logits[0]
-        return loss_fn(logits, ctx_i[None])[0], logits[0]
-
-    def batched_pass():
-        grads, logits = [], []
-        for xs, cs in zip(x.split(chunk_size), ctxs.split(chunk_size)):
-            # θ_i: a view of θ per sample, [n, *shape], nothing copied
-            theta = {n: p.detach().expand(len(xs), *p.shape) for n, p in params.items()}
-            theta = {n: t.requires_grad_() for n, t in theta.items()}
-            losses, z = vmap(loss_one)(theta, xs, cs)
-            # one backward of Σ_i ℓ_i: ∂/∂θ_i is g_i
-            g = torch.autograd.grad(losses.sum(), list(theta.values()), materialize_grads=True)
-            grads.append(g)
-            logits.append(z.detach())
-        return {n: torch.cat(g) for n, g in zip(params, zip(*grads))}, torch.cat(logits)
-
-    kernels = contextlib.nullcontext()
-    if x.device.type == "cpu":  # fused CPU attention cannot batch even its forward
-        kernels = sdpa_kernel(SDPBackend.MATH)
-    # nn.AdaptiveAvgPool2d of a channels-last input (torchvision's ConvNeXt and Swin) takes the
-    # mean, then restrides it in place (aten::as_strided_), which vmap cannot batch: given the
-    # same values in contiguous memory, it takes the mean alone
-    pools = [m for m in model.modules() if isinstance(m, nn.AdaptiveAvgPool2d)]
-    hooks = [m.register_forward_pre_hook(lambda m, args: (args[0].contiguous(),)) for m in pools]
-    mha, functorch = torch.backends.mha, torch._C._functorch
-    fast_path, fallback = mha.get_fastpath_enabled(), functorch._is_vmap_fallback_enabled()
-    mha.set_fastpath_enabled(False)
-    functorch._set_vmap_fallback_enabled(False)
-    try:
-        with kernels:
-            try:
-                return batched_pass()
-            except RuntimeError as e:  # an op with no batching rule: vmap's loop, exact, said
-                op = re.search(r"(\S+) hit the vmap fallback", str(e))
-                if op is None:
-                    raise
-                warnings.warn(f"{op[1]} has no vmap batching rule: vmap runs it once per sample")
-                functorch._set_vmap_fallback_enabled(True)
-                return batched_pass()
-    finally:
-        mha.set_fastpath_enabled(fast_path)
-        functorch._set_vmap_fallback_enabled(fallback)
-        for hook in hooks:
-            hook.remove()
-
-
-# ----------------------------------------------------------------------------
-# 4. Noise and clip: the Gaussian mechanism on the sum of clipped gradients
-class NoiseStream:
-    """The privacy noise's source: N(0, 1) draws from a cryptographic stream, SHAKE-256 keyed
-    by 32 bytes from the OS. The key is the secret: whoever knows it regenerates the noise and
-    subtracts it from every release. Block k of the stream is SHAKE-256(key ‖ k), one block
-    per call of normal() (a release).
-
-    Why not torch's generator, however seeded: the noise is all but visible. DP's adversary
-    knows every image but one, so it knows each release up to that image's clipped gradient,
-    of norm <= C over all coordinates, against noise σC in *each*: it reads every draw to
-    within a fraction of a standard deviation. torch's CPU mt19937 gives its whole state away
-    to such readings (its output bits are linear in its state bits), and with it every draw,
-    past and future; CUDA's Philox has a 64-bit key. (Opacus' secure_mode is for this.)
-
-    seed: an exact replay for tests, NOT private against anyone who knows the seed."""
-
-    def __init__(self, seed=None):
-        self.key, self.pid = os.urandom(32), os.getpid()
-        if seed is not None:  # a replay: NOT private, and replayed in a forked child too
-            self.key, self.pid = hashlib.sha256(b"dptta noise seed %d" % seed).digest(), None
-        self.blocks = 0
-        self.lock = threading.Lock()
-
-    def normal(self, n, device="cpu", dtype=torch.float32):
-        """The next block: n draws of N(0, 1), by Box-Muller in float64 on uniforms u1 of 106
-        random bits (so that the radius reaches NOISE_RADIUS) and u2 of 53."""
-        with self.lock:  # two threads never read one block number
-            if self.pid not in (None, os.getpid()):  # a forked child: its parent's key, blocks
-                self.key, self.pid = os.urandom(32), os.getpid()  # and noise, unless re-keyed
-            number = self.blocks
-            self.blocks += 1
-        block = hashlib.shake_256(self.key + number.to_bytes(8, "little"))
-        pairs = (n + 1) // 2
-        words = np.frombuffer(block.digest(24 * pairs), np.uint64) >> np.uint64(11)  # 53 bits
-        high, low, angle_bits = words.astype(np.float64).reshape(3, pairs)
-        u1 = (high + (low + 0.5) / 2.0**53) / 2.0**53  # in (0, 1]: log(u1) is finite
-        u2 = (angle_bits + 0.5) / 2.0**53
-        # z = √(−2 ln u1)·(cos 2πu2, sin 2πu2): two independent N(0, 1) per pair (u1, u2)
-        radius, angle = np.sqrt(-2 * np.log(u1)), 2 * math.pi * u2
-        z = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:n]
-        return torch.from_numpy(z).to(device=device, dtype=dtype)
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("a NoiseStream is never copied or pickled: the copy would draw its noise")
-
-
-# The release's lattice: the clipped sum and the noise are rounded to multiples of a power of
-# two γ with γ·√d <= η·2C, η = LATTICE (d: the release's coordinates); the noise is (1 + η)σC,
-# 0.1% more than σC (the paper's scripts round σ up by 0.06-1.7%)
-LATTICE = 2.0**-10
-
-
-def at_least_fp32(t):
-    """bf16 and fp16 to fp32 (fp32 and fp64 kept): losses, Δ and θ's masters need more than
-    bf16's 8 bits of mantissa (an update below 2^-8 of θ would round away)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def clip_and_noise(grads, clip, sigma, noise_stream):
-    """Δ = (Σ_i g_i·min(1, C/‖g_i‖) + N(0, σ²C²I)) / B, over {name: [B, ...]} per-sample tensors.
-
-    One norm ‖g_i‖ over all tensors (sample i is clipped as a whole), so replacing one sample
-    moves the sum by at most 2C: the noise is calibrated to the sum, then divided by B (noise
-    added after dividing would be B times too small). Fresh noise for every coordinate of every
-    tensor, from noise_stream (a NoiseStream). A non-finite g_i counts as zero: a decision that
-    reads sample i alone, so the sensitivity stays 2C. Δ comes in the gradients' dtype (at
-    least fp32)."""
-    dtypes = {n: at_least_fp32(t).dtype for n, t in grads.items()}
-    g = {n: t.double() for n, t in grads.items()}
-    # ‖g_i‖ over every tensor of sample i
-    norms = torch.stack([t.flatten(1).pow(2).sum(1) for t in g.values()]).sum(0).sqrt()
-    finite = torch.isfinite(norms)
-    factor = (clip / norms.clamp(min=1e-12)).clamp(max=1.0)  # min(1, C/‖g_i‖)
-    totals = {}
-    for name, t in g.items():
-        shape = (-1,) + (1,) * (t.dim() - 1)  # a [B] vector, broadcast over t
-        # Σ_i g_i·min(1, C/‖g_i‖); a non-finite g_i selected away, not scaled by 0 (NaN·0 = NaN)
-        totals[name] = torch.where(finite.view(shape), factor.view(shape) * t, 0.0).sum(0)
-    # Floating point. Float noise takes float values only, and t + z rounds on a grid that
-    # depends on t: an adversary who computes the sum t of each candidate world can find a
-    # coordinate of the release that the sampler could not have produced in one of them, and
-    # name the image with certainty (Mironov 2012). So the sum S (float64) is rounded to S_γ, a
-    # multiple of γ, and so is the noise: the release S_γ + round_γ(Z) = round_γ(S_γ + Z),
-    # Z ~ N(0, (1 + η)²σ²C²I), is the Gaussian mechanism on S_γ rounded (post-processing), on
-    # the same lattice in every world, computed exactly (integers below 2^53 times a power of
-    # two). Replacing one sample moves S_γ by at most 2C + γ·√d <= 2C(1 + η), and the noise's
-    # 1 + η keeps μ = 2/σ. A zero is +0.0: −0.0 would show that S_γ rounded from below.
-    if sigma > 0:
-        sizes = [t.numel() for t in totals.values()]
-        d = sum(sizes)
-        need(d <= MAX_COORDINATES, f"{d} coordinates: the noise's accountant holds to 1e6")
-        # γ: the largest power of two with γ·√d <= η·2C
-        gamma = 2.0 ** math.floor(math.log2(2 * LATTICE * clip / math.sqrt(d)))
-        scale = (1 + LATTICE) * sigma * clip / gamma  # the noise's standard deviation, in γ
-        device = next(iter(totals.values())).device
-        # one block of the stream for the whole release
-        noise = noise_stream.normal(sum(sizes), device, torch.float64).split(sizes)
-        for (name, total), z in zip(totals.items(), noise):
-            # S_γ + round_γ(Z), in multiples of γ: integers, exact in float64
-            multiples = torch.round(total / gamma) + torch.round(scale * z.view_as(total))
-            totals[name] = (multiples + 0.0) * gamma  # −0.0 + 0.0 = +0.0
-    batch = len(norms)  # B, the divisor: every sample, a non-finite one too
-    return {name: (total / batch).to(dtypes[name]) for name, total in totals.items()}
-
-
-# ----------------------------------------------------------------------------
-# 5. The losses, one value per sample: logits [N, K] -> [N]
+# The losses, one value per sample: logits [N, K] -> [N]
 def entropy(logits):
     """H(p) = −Σ_k p_k log p_k with p = softmax(z), in fp32 or better."""
     logp = at_least_fp32(logits).log_softmax(-1)
@@ -468,85 +535,42 @@ def patch_shuffle(x, grid, generator):
     return out
 
 
-# ----------------------------------------------------------------------------
-# 6. The methods, as data: one record each
-@dataclass(frozen=True)
-class Method:
-    """A test-time adaptation method, as data; DPTTA runs any such record.
-
-    name      the method's name in records and tables
-    loss      ℓ_i(logits [N, K], ctx, hp) -> [N]: each sample's own loss, whose gradient is
-              clipped per sample
-    filter    the original's data-dependent filter, a pure function
-              (logits, ctx, state, hp) -> (keep [N] bool, new state); the step stores the state
-    context   (model, x, generator, hp) -> ctx: ℓ_i's input besides the logits (DeYO's x′).
-              Row i must come from image i alone: a DP variant's sensitivity 2C rests on it
-    norms     "all", or "lower": the norms below the trunk's top (SAR, DeYO)
-    penalty   (θ, θ0, hp) -> {name: gradient} of a data-free term, added after the noise, or
-              None where the term is off (EATA without Fisher data)
-    step      "plain", "sam" (SAR's sharpness-aware step; its DP variant is DP-SAT) or "none"
-              (predict only)
-    constants the defaults of the constants (hp) that loss, context, penalty and step read;
-              filter_constants those that only the original's data-dependent decisions read
-              (its filter, SAR's recovery): the DP variant drops them with the filter
-    private   whether it is a DP variant; private(method) makes one"""
-
-    name: str
-    loss: Callable = None
-    filter: Callable = None
-    context: Callable = None
-    norms: str = "all"
-    penalty: Callable = None
-    step: str = "plain"
-    constants: dict = field(default_factory=dict)
-    filter_constants: dict = field(default_factory=dict)
-    private: bool = False
-
-
-def private(method):
-    """The DP variant of a method, by the paper's recipe: ℓ_i clipped and noised, the penalty
-    after the noise, SAM's ascent along the previous private gradient (DP-SAT, Park et al.
-    2023). The filter goes, with the constants only it read: whether sample i counts must not
-    depend on sample j, and how many are kept (the divisor) is itself data. SAR's recovery goes
-    too: a reset decided on a batch's entropy would be a release of its own."""
-    return replace(method, name="dp_" + method.name, filter=None, filter_constants={}, private=True)
-
-
 def num_classes(logits, hp):
     """K: the constant num_classes if set, else the logits' (ln K scales every margin)."""
     return logits.shape[-1] if hp.get("num_classes") is None else hp["num_classes"]
 
 
-def tent_loss(logits, ctx, hp):
+def tent_loss(logits, context, hp):
     return entropy(logits)  # ℓ_i = H(x_i)
 
 
-def come_loss(logits, ctx, hp):
+def come_loss(logits, context, hp):
     return come_entropy(logits, num_classes(logits, hp))  # ℓ_i = H_come(x_i)
 
 
-def weighted_loss(logits, ctx, hp, entropy_loss=tent_loss):
+def weighted_loss(logits, shuffled_probs, hp, entropy_loss=tent_loss):
     """EATA's and DeYO's ℓ_i = w_i·H_i, the weight detached: w = exp(E0 − H) with
-    E0 = e_margin·ln K, plus DeYO's e^PLPD when ctx holds the shuffled view's softmax.
+    E0 = e_margin·ln K, plus DeYO's e^PLPD when given the shuffled view's softmax.
     entropy_loss: the entropy H (DeYO-COME: COME's)."""
-    H = entropy_loss(logits, ctx, hp)
+    H = entropy_loss(logits, shuffled_probs, hp)
     # w = exp(E0 − H), E0 = e_margin·ln K
     w = torch.exp(hp["e_margin"] * math.log(num_classes(logits, hp)) - H.detach())
-    if ctx is not None:
-        w = w + torch.exp(plpd(logits, ctx))  # + e^PLPD (DeYO)
+    if shuffled_probs is not None:
+        w = w + torch.exp(plpd(logits, shuffled_probs))  # + e^PLPD (DeYO)
     return w * H
 
 
+# The originals' filters: pure functions of the batch's logits (and state) -> (keep, new state)
 def reliable(H, logits, hp, margin):
     """The originals' entropy filter: H < margin·ln K."""
     return H < hp[margin] * math.log(num_classes(logits, hp))
 
 
-def sar_filter(logits, ctx, state, hp):
+def sar_filter(logits, context, state, hp):
     return reliable(entropy(logits), logits, hp, "e_margin"), state
 
 
-def eata_filter(logits, ctx, state, hp):
+def eata_filter(logits, context, state, hp):
     """Reliable (H < E0) and not redundant with the recent samples: |cos(m, p)| < d, where m
     is the moving average of kept softmaxes, m ← 0.9·m + 0.1·mean(p of kept)."""
     keep = reliable(entropy(logits), logits, hp, "e_margin")
@@ -560,10 +584,10 @@ def eata_filter(logits, ctx, state, hp):
     return keep, state
 
 
-def deyo_filter(logits, ctx, state, hp, entropy_loss=tent_loss):
+def deyo_filter(logits, shuffled_probs, state, hp, entropy_loss=tent_loss):
     """Reliable (H < deyo_margin·ln K) and shape-dependent (PLPD > plpd_threshold)."""
-    keep = reliable(entropy_loss(logits, ctx, hp), logits, hp, "deyo_margin")
-    return keep & (plpd(logits, ctx) > hp["plpd_threshold"]), state
+    keep = reliable(entropy_loss(logits, shuffled_probs, hp), logits, hp, "deyo_margin")
+    return keep & (plpd(logits, shuffled_probs) > hp["plpd_threshold"]), state
 
 
 def shuffled_softmax(model, x, generator, hp, entropy_loss=tent_loss):
@@ -585,9 +609,10 @@ def shuffled_softmax(model, x, generator, hp, entropy_loss=tent_loss):
     return probs
 
 
+# EATA's anti-forgetting term: data-free once F is computed, on public clean images
 def fisher_penalty(theta, theta0, hp):
-    """EATA's anti-forgetting term λ·Σ F(θ − θ0)², whose gradient is 2λF(θ − θ0): it reads θ,
-    θ0 and F from public clean images only, so it is added after the noise, unclipped."""
+    """The gradient 2λF(θ − θ0) of λ·Σ F(θ − θ0)²: it reads θ, θ0 and F alone, so it is added
+    after the noise, unclipped (claim 6); None where there is no F."""
     if hp["fisher"] is None:
         return None
     drift = {n: p.detach() - theta0[n] for n, p in theta.items()}
@@ -596,14 +621,13 @@ def fisher_penalty(theta, theta0, hp):
 
 
 def fisher_information(model, params, images, n=2000, bn="train"):
-    """EATA's F on n clean images, as EATA's code computes it: the mean over batches of the
-    squared gradient of the batch's mean CE(f(x), argmax f(x)) (a batch's gradient squared,
-    not each sample's). Pass it to the DPTTA of eata or dp_eata as the constant fisher.
+    """EATA's F on n public clean images (batches x, or a loader's (x, y)), as EATA's code
+    computes it: the mean over batches of the squared gradient of the batch's mean
+    CE(f(x), argmax f(x)). Pass it to the DPTTA of eata or dp_eata as the constant fisher.
 
-    images: batches x, or a loader's (x, y). BatchNorm normalizes as the adapter's will: with
-    each batch's statistics (bn="train", as EATA's code) or its source ones (bn="source"). The
-    model is left as it was found: its modes, and its running statistics (a BatchNorm in train
-    mode updates copies of them)."""
+    BatchNorm normalizes as the adapter's will: with each batch's statistics (bn="train", as
+    EATA's code) or its source ones (bn="source"). The model is left as it was found: its
+    modes, and its running statistics (a BatchNorm in train mode updates copies of them)."""
     modes = {m: m.training for m in model.modules()}
     model.eval()  # no dropout
     for m in model.modules():
@@ -620,7 +644,7 @@ def fisher_information(model, params, images, n=2000, bn="train"):
         logits = logits_of(functional_call(model, (p, buffers), (x,)))
         loss = F.cross_entropy(logits, logits.argmax(1))
         for k, g in zip(p, torch.autograd.grad(loss, list(p.values()))):
-            fisher[k] += g**2
+            fisher[k] += g**2  # a batch's gradient squared, not each sample's
         batches, seen = batches + 1, seen + len(x)
         if seen >= n:
             break
@@ -629,17 +653,7 @@ def fisher_information(model, params, images, n=2000, bn="train"):
     return {k: f / batches for k, f in fisher.items()}
 
 
-# Tent (Wang et al. 2021), EATA (Niu et al. 2022), SAR (Niu et al. 2023), DeYO (Lee et al.
-# 2024), COME (Zhang et al. 2025). H: softmax entropy; H_come: COME's; E0 = e_margin·ln K;
-# "lower": the norms below the trunk's top
-# method     per-sample loss ℓ_i          original's filter            norms  extra
-# tent       H                            -                            all    -
-# come       H_come                       -                            all    -
-# eata       exp(E0 − H)·H                H < E0, |cos(m, p)| < d      all    λ·ΣF(θ − θ0)²
-# sar        H                            H < E0; reset on collapse    lower  SAM, ρ·g/‖g‖
-# deyo       (exp(E0 − H) + e^PLPD)·H     H < deyo_margin·ln K, PLPD   lower  x′: shuffled
-# deyo_come  as deyo, H_come for H        as deyo, with H_come         lower  as deyo
-# dp_<one of them>: the same ℓ_i clipped and noised, no filter; SAR's ascent along the last Δ
+# The records
 SOURCE = Method("source", step="none")
 TENT = Method("tent", tent_loss)
 COME = Method("come", come_loss, constants=dict(num_classes=None))
@@ -681,79 +695,79 @@ METHODS = {m.name: m for m in (SOURCE, *ORIGINALS, *map(private, ORIGINALS))}
 
 
 # ----------------------------------------------------------------------------
-# 7. The adapter
+# 6. The adapter
 class DPTTA(nn.Module):
     """A test-time adapter: forward(x) returns x's logits, predicted with the current θ, then
-    adapts θ on x (with accumulate=k: once k batches have come).
-
-    method     a Method record, or its name in METHODS: "source", an original ("tent",
-               "come", "eata", "sar", "deyo", "deyo_come") or its DP variant "dp_<name>"
-    eps, delta a DP variant's (ε, δ); eps=inf: the DP recipe with no noise (no filter either:
-               the paper's "clip-only" is the original with a clip, filters kept)
-    clip       the per-sample clip C (needed by dp_; given to an original: clip-only)
-    lr         SGD's learning rate (momentum 0.9, as every original)
-    bn         a BatchNorm normalizes with the test batch ("train": Tent's, not per-sample) or
-               stays at its source statistics ("source": a per-sample map)
-    accumulate a step per k batches, on the k batches together (a batch-1 stream)
-    seed       DeYO's patch shuffles. The noise is secret, keyed from OS entropy, unless
-               noise_seed is given: an exact replay for tests, NOT private
-    constants  the method's constants that differ from its defaults: EATA's fisher, made by
-               fisher_information(model, adaptable_params(model), clean_batches); e_margin...
-
-    .sigma is σ(ε, δ); .params θ, in fp32 (masters of a half-precision model's own);
-    reset() goes back to the source (θ, optimizer, method state; never the noise);
-    flush() steps on a pending accumulate window. The adapter sets its model for good: eval
-    mode, no gradients but θ's, and with bn="train" BatchNorm on the batch's statistics. Move
-    the model before building its adapter, and build one adapter per model: two would share θ."""
+    adapts θ on x (with accumulate=k: once k batches have come). .sigma is σ(ε, δ); .params
+    is θ, in fp32 (masters of a half-precision model's own); reset() goes back to the source."""
 
     def __init__(
         self,
+        # the model, on its device: the adapter sets it for good (eval mode, no gradients but
+        # θ's; with bn="train", BatchNorm on the batch's statistics). One adapter per model:
+        # two would share θ
         model,
+        # a Method, or its name in METHODS: "source", an original ("tent", "come", "eata",
+        # "sar", "deyo", "deyo_come") or its DP variant "dp_<name>"
         method,
         *,
+        # a DP variant's (ε, δ); eps=inf: the DP recipe with no noise (and no filter: the
+        # paper's "clip-only" is the original given a clip, its filters kept)
         eps=None,
         delta=1e-6,
+        # the per-sample clip C: a DP variant needs it; given to an original, clip-only
         clip=None,
+        # the short form of the optimizer every original uses: SGD(lr, momentum 0.9) ...
         lr=None,
+        # ... or a function from θ's parameters to a torch.optim.Optimizer, as
+        # functools.partial(torch.optim.Adam, lr=1e-3). It sees only the released Δ, so any
+        # optimizer is post-processing (claim 6); reset() builds a fresh one
+        optimizer=None,
+        # BatchNorm normalizes with the test batch ("train": Tent's; no clip then) or stays
+        # at its source statistics ("source": a per-sample map)
         bn="train",
+        # a step per k batches, on the k batches together (a stream of single images)
         accumulate=1,
+        # DeYO's patch shuffles, never the noise: that is secret, keyed from the OS, unless
+        # noise_seed replays it (for tests: NOT private)
         seed=0,
         noise_seed=None,
-        optimizer=None,
-        **constants,
+        # the method's constants that differ from its defaults: EATA's fisher, made by
+        # fisher_information(model, adaptable_params(model), clean_batches); e_margin, ...
+        **hp,
     ):
         super().__init__()
         if isinstance(method, str):
-            need(method in METHODS, f"unknown method {method!r}; one of {', '.join(METHODS)}")
+            require(method in METHODS, f"unknown method {method!r}; one of {', '.join(METHODS)}")
             method = METHODS[method]
         self.method = method
         name, by_gradient = method.name, method.step != "none"
-        need((eps is not None) == method.private, f"eps is for dp_ methods, which need it ({name})")
-        need(clip is not None or not method.private, f"{name} needs clip, C")
-        need(not (method.private and method.filter), f"{name}: a DP variant has no filter")
-        need(clip is None or 0 < clip < math.inf, f"clip must be finite and > 0, got {clip}")
-        need(lr is None or optimizer is None, "lr is the default SGD's: give lr or optimizer")
+        require((eps is not None) == method.dp, f"eps is for dp_ methods, which need it ({name})")
+        require(clip is not None or not method.dp, f"{name} needs clip, C")
+        require(not (method.dp and method.filter), f"{name}: a DP variant has no filter")
+        require(clip is None or 0 < clip < math.inf, f"clip must be finite and > 0, got {clip}")
+        require(lr is None or optimizer is None, "lr is the default SGD's: give lr or optimizer")
         if optimizer is None:  # every original's SGD; its lr updates fp32 θ, so fits float32
             fits = lr is not None and 0 < lr < torch.finfo(torch.float32).max
-            need(fits or not by_gradient, f"{name} needs a finite lr > 0 (in float32), got {lr}")
+            require(fits or not by_gradient, f"{name} needs a finite lr > 0 (in float32), got {lr}")
             optimizer = partial(torch.optim.SGD, lr=lr, momentum=0.9)
-        self.make_optimizer = optimizer
-        need(bn in ("train", "source"), "bn is 'train' or 'source'")
-        need(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
+        require(bn in ("train", "source"), "bn is 'train' or 'source'")
+        require(isinstance(accumulate, int) and accumulate >= 1, "accumulate must be an int >= 1")
         self.hp = {**method.constants, **method.filter_constants}
-        unknown = sorted(set(constants) - set(self.hp))
-        need(not unknown, f"{name} has no constant {', '.join(unknown)}; its: {', '.join(self.hp)}")
-        self.hp.update(constants)
+        unknown = sorted(set(hp) - set(self.hp))
+        require(
+            not unknown, f"{name} has no constant {', '.join(unknown)}; its: {', '.join(self.hp)}"
+        )
+        self.hp.update(hp)
         self.sigma = 0.0  # the originals: no noise
         if eps is not None:
             self.sigma = calibrate_sigma(eps=eps, delta=delta)
         self.eps, self.delta, self.clip, self.lr = eps, delta, clip, lr
-        self.accumulate = accumulate
-        self.model_params = {}
+        self.accumulate, self.make_optimizer = accumulate, optimizer
+        own = {}  # θ's tensors in the model
         if by_gradient:
             per_sample = clip is not None and bn == "train"
-            lower = method.norms == "lower"
-            self.model_params = adaptable_params(model, skip_top=lower, per_sample=per_sample)
+            own = adaptable_params(model, norms=method.norms, per_sample=per_sample)
         self.model = model.eval().requires_grad_(False)  # eval: no dropout, nothing random
         if by_gradient and bn == "train":  # Tent's BatchNorm: the test batch's statistics
             for m in model.modules():
@@ -763,7 +777,7 @@ class DPTTA(nn.Module):
         if clip is not None or bn == "source":  # as a host's Tent may have left it: refused
             refuse_coupled_samples(model)
         # θ: fp32 masters of bf16/fp16 parameters (bf16 rounds away an update below 2^-8)
-        self.params = {n: at_least_fp32(p).requires_grad_() for n, p in self.model_params.items()}
+        self.params = {n: at_least_fp32(p).requires_grad_() for n, p in own.items()}
         self.theta0 = {n: p.detach().clone() for n, p in self.params.items()}
         # the adapter's own streams, never rewound by reset(): the same noise twice cancels
         self.noise = NoiseStream(noise_seed)
@@ -785,20 +799,20 @@ class DPTTA(nn.Module):
         """θ ← values, written into the model (rounded for a bf16 model)."""
         for n, p in self.params.items():
             p.copy_(values[n])
-            self.model_params[n].copy_(p)  # p itself in an fp32 model: a no-op
+            self.model.get_parameter(n).copy_(p)  # p itself in an fp32 model: a no-op
 
     def train(self, mode=True):
         """The adapter keeps its model's modes (eval; BatchNorm as `bn` says): an outer
         train() or eval() would switch dropout on, or Tent's BatchNorm off."""
         return self
 
-    def loss(self, logits, ctx):
+    def loss(self, logits, context):
         """ℓ_i, the per-sample loss whose gradient is clipped."""
-        return self.method.loss(logits, ctx, self.hp)
+        return self.method.loss(logits, context, self.hp)
 
     @torch.no_grad()
     def context(self, x):
-        """ℓ_i's input besides the logits (DeYO's softmax of x′), or None."""
+        """ℓ_i's other input (DeYO's softmax of the shuffled x′), or None."""
         if self.method.context is None:
             return None
         return self.method.context(self.model, x, self.shuffle_gen, self.hp)
@@ -830,52 +844,67 @@ class DPTTA(nn.Module):
             self._update(x)
 
     def _update(self, x):
+        """One step on x; x's logits, predicted before it."""
         with torch.inference_mode(False), torch.enable_grad():  # callers under no_grad too
             if x.is_inference():
                 x = x.clone()
-            ctx = self.context(x)
-            if self.method.step == "sam" and self.method.private:
-                return self._dp_sat_step(x, ctx).detach()
+            context = self.context(x)
+            if self.method.step == "sam" and self.method.dp:
+                return self._dp_sat_step(x, context).detach()
             if self.method.step == "sam":
-                return self._sam_step(x, ctx).detach()
-            logits, g, _, self.state = self._gradient(x, ctx, self.params)
+                return self._sam_step(x, context).detach()
+            gradient = self._plain_gradient
+            if self.clip is not None:  # dp_, and the originals' clip-only
+                gradient = self._private_gradient
+            logits, g, _ = gradient(x, context, self.params)
             if g is not None:  # None: the filter kept no sample, and there is no step
                 self._step(g)
             return logits.detach()
 
-    # -- the gradient: private (per sample, clipped, noised) or plain ------------------------
-    def _gradient(self, x, ctx, at, keep=None, per_sample=True):
-        """(logits, Δ or None, kept, the filter's new state) at the point `at` (θ itself, or
-        SAM's ascent point), on the samples that the original's filter keeps (and `keep` kept).
-        With a clip (dp_, clip-only) Δ = clip_and_noise(g) over the kept samples, divided by
-        their number; else (or per_sample=False: SAR's plain ascent) Δ = ∇ mean_kept ℓ_i, one
-        batched backward. None where no sample is kept: no step."""
-        theta = {n: t.detach().to(self.model_params[n].dtype) for n, t in at.items()}
-        per_sample = per_sample and self.clip is not None
-        if per_sample:
-            g, logits = per_sample_grads(self.model, theta, self.loss, x, ctx)
-        else:
-            theta = {n: t.requires_grad_() for n, t in theta.items()}
-            logits = logits_of(functional_call(self.model, theta, (x,)))
-        state = self.state
-        if self.method.filter is not None:  # a pure function: the step stores its state
-            kept, state = self.method.filter(logits.detach(), ctx, self.state, self.hp)
-            keep = kept if keep is None else keep & kept
-        if keep is not None and not keep.any():
-            return logits, None, keep, state
-        if per_sample:
-            if keep is not None:  # clip-only originals: the divisor is the kept count
-                g = {n: t[keep] for n, t in g.items()}
-            return logits, clip_and_noise(g, self.clip, self.sigma, self.noise), keep, state
-        losses = self.loss(logits, ctx)
+    # -- the gradient at θ (or SAM's ascent point): private, or plain -------------------------
+    def _private_gradient(self, x, context, theta, keep=None):
+        """(logits, Δ, keep): every g_i in one pass, then Δ = clip_and_noise of those the
+        original's filter keeps (all, for a DP variant), over their number; Δ None if none."""
+        g, logits = per_sample_grads(self.model, self._in_model(theta), self.loss, x, context)
+        keep = self._kept(logits, context, keep)
+        if keep is not None:  # clip-only originals: the kept samples, and their number
+            if not keep.any():
+                return logits, None, keep
+            g = {n: t[keep] for n, t in g.items()}
+        return logits, clip_and_noise(g, self.clip, self.sigma, self.noise), keep
+
+    def _plain_gradient(self, x, context, theta, keep=None):
+        """(logits, g, keep): g = ∇ mean ℓ_i over the samples kept, one batched backward, as
+        the originals compute it; g None if none is kept."""
+        theta = {n: t.requires_grad_() for n, t in self._in_model(theta).items()}
+        logits = logits_of(functional_call(self.model, theta, (x,)))
+        keep = self._kept(logits, context, keep)
+        losses = self.loss(logits, context)
         if keep is not None:
+            if not keep.any():
+                return logits, None, keep
             losses = losses[keep]
         g = torch.autograd.grad(losses.mean(), list(theta.values()))
-        return logits, {n: at_least_fp32(t) for n, t in zip(theta, g)}, keep, state
+        return logits, {n: at_least_fp32(t) for n, t in zip(theta, g)}, keep
+
+    def _in_model(self, theta):
+        """θ (or a point near it), detached, in the model's dtype: what its forward takes."""
+        return {n: t.detach().to(self.model.get_parameter(n).dtype) for n, t in theta.items()}
+
+    def _kept(self, logits, context, keep):
+        """The samples an original's filter keeps, and `keep` kept (SAM's first pass), or None
+        (no filter: every one). The step's first filter leaves its new state (EATA's m)."""
+        if self.method.filter is None:
+            return keep
+        kept, state = self.method.filter(logits.detach(), context, self.state, self.hp)
+        if keep is not None:
+            return keep & kept
+        self.state = state
+        return kept
 
     # -- the steps ---------------------------------------------------------------------------
     def _step(self, g):
-        """θ ← SGD-momentum(θ, Δ + the method's data-free term): post-processing of Δ."""
+        """θ ← the optimizer's step on Δ + the method's data-free term (post-processing)."""
         penalty = None
         if self.method.penalty is not None:
             penalty = self.method.penalty(self.params, self.theta0, self.hp)
@@ -886,14 +915,17 @@ class DPTTA(nn.Module):
         self.opt.step()
         self._set_theta(self.params)
 
-    def _sam_step(self, x, ctx):
+    def _sam_step(self, x, context):
         """SAR's SAM: ascend along the plain mean gradient of the kept samples (clip-only too,
         as the paper's code does), take the gradient at θ + ρ·g/‖g‖ on those still kept
         there, step from θ; then its recovery."""
-        logits, direction, keep, self.state = self._gradient(x, ctx, self.params, per_sample=False)
+        logits, direction, keep = self._plain_gradient(x, context, self.params)
         if direction is None:
             return logits
-        at_ascent, g, keep, _ = self._gradient(x, ctx, self._ascent(direction), keep)
+        gradient = self._plain_gradient
+        if self.clip is not None:  # clip-only
+            gradient = self._private_gradient
+        at_ascent, g, keep = gradient(x, context, self._ascent(direction), keep)
         if g is None:
             return logits
         self._step(g)
@@ -901,13 +933,15 @@ class DPTTA(nn.Module):
             self._recover(entropy(at_ascent.detach())[keep].mean().item())
         return logits
 
-    def _dp_sat_step(self, x, ctx):
+    def _dp_sat_step(self, x, context):
         """DP-SAT, SAR's DP variant: the ascent direction is the previous *private* Δ (free:
         it is released; none at the first step), one private gradient per step, and the
         prediction is made at θ, not at the ascent point. No recovery."""
         direction = self.state.get("g_prev")
-        ascent = self.params if direction is None else self._ascent(direction)
-        logits, g, _, _ = self._gradient(x, ctx, ascent)
+        ascent = self.params
+        if direction is not None:
+            ascent = self._ascent(direction)
+        logits, g, _ = self._private_gradient(x, context, ascent)
         if direction is not None:  # those logits are at θ + ρ·Δ/‖Δ‖: predict at θ
             with torch.no_grad():
                 logits = logits_of(self.model(x))
@@ -928,14 +962,16 @@ class DPTTA(nn.Module):
         norm = torch.stack([t.pow(2).sum() for t in g.values()]).sum().sqrt().clamp(min=1e-12)
         return {n: p + self.hp["rho"] * g[n] / norm for n, p in self.params.items()}
 
-    # -- copies: never the noise, never a pending window -------------------------------------
+    # -- copies: never the noise, never a pending window (claims 2 and 4) --------------------
     def __getstate__(self):
-        """copy.deepcopy and pickle. The noise stream is left out: its key regenerates every
-        draw, past ones too, and would cancel the noise of the releases. A pending accumulate
-        window is refused: a copy would step on its images too (two releases)."""
+        """copy.copy, copy.deepcopy and pickle: never the noise stream (its key regenerates
+        every draw, past ones too), never a pending window (a copy would step on its images
+        too): it is refused, and a copy's window is its own."""
         pending = f"{len(self.window)} pending accumulate batch(es)"
-        need(not self.window, f"an adapter with {pending}: flush() before copying or pickling it")
-        return dict(super().__getstate__(), noise=None, window=[])  # copy.copy: a window of its own
+        require(
+            not self.window, f"an adapter with {pending}: flush() before copying or pickling it"
+        )
+        return dict(super().__getstate__(), noise=None, window=[])
 
     def __setstate__(self, state):
         """A copy draws its noise from a stream of its own, keyed from the OS."""
@@ -1075,7 +1111,7 @@ def wnid_folder(root, imagenet_labels=True):
     folder = WnidFolder(root, loader=read_image, is_valid_file=is_image)  # refuses an empty one
     index = imagenet_index()
     unknown = [c for c in folder.classes if c not in index]
-    need(not unknown, f"{root}: not ImageNet-1k WordNet ids: {unknown}; expected {LAYOUT}")
+    require(not unknown, f"{root}: not ImageNet-1k WordNet ids: {unknown}; expected {LAYOUT}")
     folder.imagenet_index = [index[c] for c in folder.classes]
     if imagenet_labels:
         folder.samples = [(path, folder.imagenet_index[y]) for path, y in folder.samples]
@@ -1140,7 +1176,7 @@ def build_model(args, streams):
     except Exception as e:  # an unknown name, weights not in the cache
         raise ValueError(f"cannot build {args.model}: {first_line(e)}")
     if args.checkpoint:
-        need(os.path.isfile(args.checkpoint), f"--checkpoint {args.checkpoint}: no such file")
+        require(os.path.isfile(args.checkpoint), f"--checkpoint {args.checkpoint}: no such file")
         try:
             timm.models.load_checkpoint(model, args.checkpoint)
         except Exception as e:  # not a checkpoint, or another model's
@@ -1155,7 +1191,9 @@ def fisher_of(args, model, transform):
     disjoint from the test photos, so not inside the test data's root, and not ImageNet's
     validation images, which ImageNet-C is made from (ImageNet's train images are)."""
     data, clean = os.path.realpath(args.data), os.path.realpath(args.fisher_data)
-    need(os.path.commonpath([data, clean]) != data, "--fisher-data lies inside --data: not public")
+    require(
+        os.path.commonpath([data, clean]) != data, "--fisher-data lies inside --data: not public"
+    )
     folder = wnid_folder(args.fisher_data)
     folder.transform = transform
     loader = DataLoader(folder, args.batch_size, shuffle=True, num_workers=args.workers)
@@ -1379,7 +1417,7 @@ def prepare(args, tmp):
     or None where --out holds this run's finished record already."""
     hp = dict(args.hp)
     eps = math.inf if args.eps is None else args.eps
-    need(eps > 0, f"eps must be > 0 (inf: no noise), got {eps}")
+    require(eps > 0, f"eps must be > 0 (inf: no noise), got {eps}")
     C, lr, where = paper_hparams(args.method, eps, args.setting, args.clip)
     source = dict(clip="given", lr="given")
     if args.clip is None:
@@ -1389,13 +1427,15 @@ def prepare(args, tmp):
     if args.synthetic:
         args.data = tmp
         make_synthetic_tree(tmp, args.corruptions, args.severity, args.synthetic)
-    need(args.data is not None, "no data: --data ROOT, $IMAGENET_C or --synthetic N")
+    require(args.data is not None, "no data: --data ROOT, $IMAGENET_C or --synthetic N")
     if args.dataset == "imagenet_r":
         args.corruptions = ["imagenet_r"]
     if args.out is None:
         args.out = "results-smoke.jsonl" if args.synthetic else "results.jsonl"
     # /dev/full would be read for ever, a pipe would hang
-    need(not os.path.exists(args.out) or os.path.isfile(args.out), f"--out {args.out}: not a file")
+    require(
+        not os.path.exists(args.out) or os.path.isfile(args.out), f"--out {args.out}: not a file"
+    )
     key = run_key(args, hp)
     if any(r["kind"] == "run" and r["key"] == key for r in read_records(args.out)):
         print(f"skipped: {args.out} holds this run's finished record (another --out runs it again)")
@@ -1591,7 +1631,9 @@ def main(argv=None):
         try:
             try:  # the library's checks, a missing folder or file, weights that do not fit
                 if args.summarize:
-                    need(os.path.isfile(args.summarize), f"--summarize {args.summarize}: no file")
+                    require(
+                        os.path.isfile(args.summarize), f"--summarize {args.summarize}: no file"
+                    )
                     return summarize(args.summarize)
                 if args.benchmark:
                     return benchmark(args)
