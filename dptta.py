@@ -49,7 +49,8 @@ ImageNet-C from the command line, --summarize and --benchmark.
 #  6. Post-processing is free: momentum or any optimizer, EATA's data-free penalty, the
 #     predictions, later steps that see an image only through θ. [test_fisher_penalty_is_added_
 #     after_the_noise_unclipped, test_a_hosts_optimizer_steps_on_the_private_delta_...]
-#  7. The sampler's reach: its cut-off is counted in δ, and an (ε, δ) it cannot serve is
+#  7. The sampler's reach: where float64 draws can tell neighbours apart and the Gaussian could
+#     not (its finite resolution), the chance is counted in δ, and an (ε, δ) it cannot serve is
 #     refused. [test_an_eps_delta_beyond_the_samplers_reach_is_refused_in_one_line]
 # The suite's audit plays the change-one game against every dp_ method (test_end_to_end_audit_*).
 # Not covered: C and lr tuned on the test stream (as the paper did). A photo in k streams (one
@@ -167,9 +168,7 @@ def per_sample_grads(model, params, loss_fn, x, context=None, *, chunk_size=None
     frozen.update(model.named_buffers())
     if chunk_size is None:  # the whole batch on a GPU; on a CPU 8, which stay in cache
         chunk_size = 8 if x.device.type == "cpu" else len(x)
-    rows = context
-    if context is None:
-        rows = x.new_zeros(len(x), 0)  # vmap needs a tensor to map over
+    rows = x.new_zeros(len(x), 0) if context is None else context  # vmap maps over a tensor
 
     def loss_one(theta_i, x_i, row_i):  # under vmap: one sample and its own view θ_i
         logits = logits_of(functional_call(model, (theta_i, frozen), (x_i[None],)))
@@ -306,7 +305,7 @@ class NoiseStream:
 
     def normal(self, n, device="cpu", dtype=torch.float32):
         """The next block: n draws of N(0, 1), by Box-Muller in float64 on uniforms u1 of 106
-        random bits (so that the radius reaches NOISE_RADIUS) and u2 of 53."""
+        random bits (radii up to 12.18; see sampler_tail) and u2 of 53."""
         with self.lock:  # two threads never read one block number
             if self.pid not in (None, os.getpid()):  # a forked child: its parent's key, blocks
                 self.key, self.pid = os.urandom(32), os.getpid()  # and noise, unless re-keyed
@@ -327,32 +326,32 @@ class NoiseStream:
         raise TypeError("a NoiseStream is never copied or pickled: the copy would draw its noise")
 
 
-# NoiseStream's reach: a Box-Muller pair of its draws lies within radius √(−2 ln u1), and its
-# u1 >= 2^-107
-NOISE_RADIUS = math.sqrt(-2 * math.log(2.0**-107))  # 12.18
-
-
 # ----------------------------------------------------------------------------
 # 4. The accountant: one pass over the stream is μ-GDP with μ = 2/σ
-# Its floors. NoiseStream's u1 lies on a grid of 2^-106: near its reach the radii it can draw
-# thin out, and at a large σ some lattice points of a release go unreached. Their chance is
-# below 1e-18 for ε >= 1e-3 and d <= 1e6 (at most √(d/2)·e^(−r²/2), r the radius from which
-# the grid's steps exceed half a lattice step), far below δ/1000 for δ >= 1e-12.
+# Its floors: no σ serves a δ below about 1e-16 (sampler_tail never falls below 6e-20), and a
+# tiny ε asks for a σ past where that bound is worked out (σ < 1e25). With δ >= 1e-12 and
+# ε >= 1e-3, σ stays below 1.1e4.
 MIN_EPS, MIN_DELTA = 1e-3, 1e-12
 
 
 def sampler_tail(sigma):
-    """The chance, per release, that NoiseStream's cut-off tells two neighbouring worlds apart.
+    """The chance, per release, that NoiseStream tells two neighbouring worlds apart where the
+    accountant's Gaussian would not: a bound, counted in δ.
 
-    The accountant's noise has no end; the sampler's ends at radius R = NOISE_RADIUS (in units
-    of σC) for each pair of coordinates. A neighbour's release is the same sum moved by a vector
-    of norm at most 2C, μ = 2/σ in those units, s_k on pair k (Σ s_k² <= μ²): where this world's
-    pair k lies between R − s_k and R, the neighbour could not have drawn it. That chance,
-    e^(−(R − s_k)²/2) − e^(−R²/2), is convex in s_k below R − 1, so at most s_k/μ times its
-    value at μ; summed over the m <= d/2 pairs, Σ s_k <= √m·μ: at most √(d/2)·e^(−(R − μ)²/2).
-    (A shift spread over many pairs is the worse case where μ is small: √m·s beats m·s²/2.)"""
-    spread = math.sqrt(MAX_COORDINATES / 2)
-    return spread * math.exp(-(max(NOISE_RADIUS - 2 / sigma, 0) ** 2) / 2)
+    The Gaussian reaches every lattice point; the sampler does not. Its u1 lies on a grid of
+    2^-106, so the radii √(−2 ln u1) of its pairs thin out far out: in units of σC, their steps
+    stay below half a lattice step up to r = √(2 ln(2^105/s)), s the noise's standard deviation
+    in lattice steps (at most (1 + η)σ√d/η), and every lattice point within r (less the
+    rounding's 2η/σ) is drawn. A neighbour's release is the same sum moved by a vector of norm
+    at most μ = 2/σ in those units, s_k on pair k (Σ s_k² <= μ²): it may land where the sampler
+    draws nothing only where this world's pair k lies beyond r − s_k, a chance e^(−(r − s_k)²/2),
+    convex in s_k, so at most e^(−r²/2) + s_k/μ·e^(−(r − μ)²/2). Over the m <= d/2 pairs, with
+    Σ s_k <= √m·μ: at most (d/2)·e^(−r²/2) + √(d/2)·e^(−(r − μ)²/2). (A shift spread over many
+    pairs is the worse case where μ is small.)"""
+    d, mu = MAX_COORDINATES, 2 / sigma
+    steps = (1 + ETA) * sigma * math.sqrt(d) / ETA  # s, the noise in lattice steps, at most
+    r = math.sqrt(2 * math.log(2.0**105 / steps)) - 2 * ETA / sigma
+    return d / 2 * math.exp(-r * r / 2) + math.sqrt(d / 2) * math.exp(-(max(r - mu, 0) ** 2) / 2)
 
 
 def _log_gdp_delta(eps, sigma):
@@ -405,11 +404,10 @@ def _smallest(f, lo, hi):
 def calibrate_sigma(*, eps, delta, repeats=1):
     """The smallest σ with δ(ε) + the sampler's tail <= delta, for `repeats` releases of each
     unit: k releases of (2/σ)-GDP compose to (2√k/σ)-GDP (ibid., Cor. 3.3), so σ = √k·σ_1, and
-    each release may meet the sampler's cut-off (sampler_tail). eps = inf: σ = 0.
+    each release may meet the sampler's limits (sampler_tail). eps = inf: σ = 0.
 
     An (ε, δ) the sampler cannot serve is refused: its tail must stay below δ/1000, so that the
-    Gaussian keeps its δ (at δ = 1e-6: ε up to 33.5; at ε = 20 the tail is 3e-15 a release),
-    and ε and δ must be above its resolution's floors (MIN_EPS, MIN_DELTA)."""
+    Gaussian keeps its δ (at δ = 1e-6: ε up to 22.3; at ε = 20 the tail is 1e-10 a release)."""
     require(eps >= MIN_EPS, f"eps must be >= {MIN_EPS:g} (inf: no noise), got {eps}")
     require(MIN_DELTA <= delta < 1, f"delta must be in [{MIN_DELTA:g}, 1), got {delta}")
     require(isinstance(repeats, int) and repeats >= 1, "repeats must be an int >= 1")
@@ -420,12 +418,10 @@ def calibrate_sigma(*, eps, delta, repeats=1):
     def excess(sigma_1):  # δ(ε) + the tail − delta, computed as gdp_delta computes δ
         return math.exp(_log_gdp_delta(eps, sigma_1)) + repeats * sampler_tail(k * sigma_1) - delta
 
-    # the least σ whose tail is below δ/1000: R − 2/σ = √(2 ln(1000·repeats·√(d/2)/δ))
-    room = 2 * math.log(1000 * repeats * math.sqrt(MAX_COORDINATES / 2) / delta)
-    mu_max = NOISE_RADIUS - math.sqrt(room)
+    sigma = k * _smallest(excess, 0.1, 1.0)
     beyond = f"eps {eps:g} at delta {delta:g} is beyond the noise sampler's reach"
-    require(mu_max > 0 and excess(2 / (k * mu_max)) >= 0, beyond)  # else σ(ε) < that least σ
-    return k * _smallest(excess, 2 / (k * mu_max), 4 / (k * mu_max))
+    require(repeats * sampler_tail(sigma) <= delta / 1000, beyond)
+    return sigma
 
 
 def gdp_epsilon(*, sigma, delta):
@@ -853,9 +849,8 @@ class DPTTA(nn.Module):
                 return self._dp_sat_step(x, context).detach()
             if self.method.step == "sam":
                 return self._sam_step(x, context).detach()
-            gradient = self._plain_gradient
-            if self.clip is not None:  # dp_, and the originals' clip-only
-                gradient = self._private_gradient
+            # private with a clip (dp_, and the originals' clip-only), else plain
+            gradient = self._plain_gradient if self.clip is None else self._private_gradient
             logits, g, _ = gradient(x, context, self.params)
             if g is not None:  # None: the filter kept no sample, and there is no step
                 self._step(g)
@@ -922,9 +917,7 @@ class DPTTA(nn.Module):
         logits, direction, keep = self._plain_gradient(x, context, self.params)
         if direction is None:
             return logits
-        gradient = self._plain_gradient
-        if self.clip is not None:  # clip-only
-            gradient = self._private_gradient
+        gradient = self._plain_gradient if self.clip is None else self._private_gradient
         at_ascent, g, keep = gradient(x, context, self._ascent(direction), keep)
         if g is None:
             return logits
@@ -938,9 +931,7 @@ class DPTTA(nn.Module):
         it is released; none at the first step), one private gradient per step, and the
         prediction is made at θ, not at the ascent point. No recovery."""
         direction = self.state.get("g_prev")
-        ascent = self.params
-        if direction is not None:
-            ascent = self._ascent(direction)
+        ascent = self.params if direction is None else self._ascent(direction)
         logits, g, _ = self._private_gradient(x, context, ascent)
         if direction is not None:  # those logits are at θ + ρ·Δ/‖Δ‖: predict at θ
             with torch.no_grad():

@@ -201,12 +201,15 @@ def accountant_delta_mp(eps, sigma):
 
 
 def accountant_tail_mp(sigma):
-    """The sampler_tail bound in 60 digits, from its docstring: √(d/2)·exp(−(R − μ)²/2), d =
-    10^6 coordinates at most, R = √(−2 ln 2^-107) (the sampler's u1 >= 2^-107), μ = 2/σ."""
+    """The sampler_tail bound in 60 digits, from its docstring: (d/2)·e^(−r²/2) + √(d/2)·
+    e^(−(r − μ)²/2), d = 10^6 coordinates at most, μ = 2/σ, r = √(2 ln(2^105/s)) − 2η/σ the
+    radius within which the sampler draws every lattice point, s = (1 + η)σ√d/η, η = 2^-10."""
     with mpmath.workdps(60):
-        reach = mpmath.sqrt(-2 * mpmath.log(mpmath.mpf(2) ** -107))
-        return mpmath.sqrt(mpmath.mpf(10**6) / 2) * mpmath.exp(
-            -max(reach - 2 / mpmath.mpf(sigma), 0) ** 2 / 2)
+        sigma, d, eta = mpmath.mpf(sigma), mpmath.mpf(10**6), mpmath.mpf(2) ** -10
+        steps = (1 + eta) * sigma * mpmath.sqrt(d) / eta
+        r = mpmath.sqrt(2 * mpmath.log(mpmath.mpf(2) ** 105 / steps)) - 2 * eta / sigma
+        return d / 2 * mpmath.exp(-r**2 / 2) + mpmath.sqrt(d / 2) * mpmath.exp(
+            -max(r - 2 / sigma, 0) ** 2 / 2)
 
 
 def accountant_sigma_mp(eps, delta, repeats=1):
@@ -328,41 +331,39 @@ def test_privacy_arguments_are_keyword_only():
             call()
 
 
-# the sampler's reach (calibrate_sigma's docstring): a Box-Muller pair ends at radius
-# R = √(−2 ln 2^-107); a run is refused unless k·√(d/2)·exp(−(R − 2/σ)²/2) <= δ/1000, d = 10^6
-ACCOUNTANT_REACH = math.sqrt(214 * math.log(2))
+def accountant_radius(sigma):
+    """r of sampler_tail's docstring, for σ (float64 is enough here)."""
+    eta = 2**-10
+    return math.sqrt(2 * math.log(2**105 / ((1 + eta) * sigma * 1000 / eta))) - 2 * eta / sigma
 
 
-def accountant_annulus(mu, pairs):
-    """A pair's chance to lie in the annulus R − s < |z| <= R (the sampler's pair and its
-    neighbour's, shifted by s, on either side of the reach), exact for a 2-d standard normal
-    (a Rayleigh radius), summed over `pairs` pairs that share a shift of norm μ alike."""
-    s = mu / math.sqrt(pairs)
-    return pairs * (math.exp(-max(ACCOUNTANT_REACH - s, 0) ** 2 / 2)
-                    - math.exp(-ACCOUNTANT_REACH**2 / 2))
+def accountant_beyond(mu, r, pairs):
+    """The chance that one of `pairs` pairs, sharing a shift of norm μ alike, lies beyond
+    r − μ/√pairs: exact for a 2-d standard normal (its radius is Rayleigh), summed."""
+    return pairs * math.exp(-max(r - mu / math.sqrt(pairs), 0) ** 2 / 2)
 
 
 @pytest.mark.parametrize("eps,delta,repeats", [
-    (30, 1e-6, 1), (33, 1e-6, 1), (34, 1e-6, 1), (40, 1e-6, 1), (20, 1e-6, 1), (20, 1e-6, 15),
-    (30, 1e-9, 1), (31, 1e-9, 1), (26, 1e-12, 1), (27, 1e-12, 1), (1e-3, 1e-12, 1),
-    (1e-3, 1e-6, 15)])
+    (20, 1e-6, 1), (22, 1e-6, 1), (23, 1e-6, 1), (40, 1e-6, 1), (20, 1e-6, 15), (18, 1e-9, 1),
+    (19, 1e-9, 1), (13, 1e-12, 1), (14, 1e-12, 1), (1e-3, 1e-12, 1), (1e-3, 1e-6, 15)])
 def test_an_eps_delta_beyond_the_samplers_reach_is_refused_in_one_line(eps, delta, repeats):
-    """calibrate_sigma accepts (ε, δ) iff the docstring's tail k·√(d/2)·exp(−(R − μ)²/2),
-    computed here from a 60-digit σ (δ(ε) and the tail within δ), is <= δ/1000 (ε = 33 at 1e-6
-    accepted, 34 refused); an accepted one's exact annulus chance, its shift on one pair or
-    spread over any number of them up to d/2, is within that bound too."""
+    """calibrate_sigma accepts (ε, δ) iff the docstring's tail, k times, computed here in 60
+    digits from a 60-digit σ (δ(ε) and the tail within δ), is <= δ/1000 (ε = 22 at 1e-6
+    accepted, 23 refused; the paper's ε = 20 served); an accepted one's exact chance beyond
+    r − s, its shift on one pair or spread over any number of them up to d/2, is within that
+    bound too."""
     sigma = accountant_sigma_mp(eps, delta, repeats)
-    mu = 2 / sigma * math.sqrt(repeats)
-    tail = repeats * 1000**0.5 * math.sqrt(500) * math.exp(-max(ACCOUNTANT_REACH - mu, 0) ** 2 / 2)
+    tail = repeats * float(accountant_tail_mp(sigma))  # σ: each release's
     accepted = tail <= delta / 1000
-    assert accepted == ((eps, delta, repeats) in {(30, 1e-6, 1), (33, 1e-6, 1), (20, 1e-6, 1),
-                                                  (20, 1e-6, 15), (30, 1e-9, 1), (26, 1e-12, 1),
+    assert accepted == ((eps, delta, repeats) in {(20, 1e-6, 1), (22, 1e-6, 1), (20, 1e-6, 15),
+                                                  (18, 1e-9, 1), (13, 1e-12, 1),
                                                   (1e-3, 1e-12, 1), (1e-3, 1e-6, 15)})
     if accepted:
         got = dptta.calibrate_sigma(eps=eps, delta=delta, repeats=repeats)
         assert got == pytest.approx(sigma, rel=1e-9)
         for pairs in (1, 10, 1000, 10**5, 5 * 10**5):
-            assert repeats * accountant_annulus(mu, pairs) <= min(tail, delta / 1000)
+            chance = accountant_beyond(2 / sigma, accountant_radius(sigma), pairs)
+            assert repeats * chance <= tail
     else:
         with pytest.raises(ValueError, match="reach") as e:
             dptta.calibrate_sigma(eps=eps, delta=delta, repeats=repeats)
@@ -370,15 +371,17 @@ def test_an_eps_delta_beyond_the_samplers_reach_is_refused_in_one_line(eps, delt
 
 
 def test_a_shift_spread_over_many_pairs_is_the_worse_case_at_a_small_mu():
-    """sampler_tail's docstring: at small μ a shift spread over d/2 pairs reaches the annulus
-    more often than the same shift on one pair, and its bound covers both (the oracle: the
-    annulus chances written out)."""
-    for mu in (0.05, 0.5, 2.0, 5.0):
-        bound = float(accountant_tail_mp(2 / mu))
-        chances = [accountant_annulus(mu, pairs) for pairs in (1, 100, 5 * 10**5)]
+    """sampler_tail's docstring: at a small μ a shift spread over d/2 pairs reaches beyond r
+    more often than the same shift on one pair, and the bound covers both (the oracle: the
+    chances written out, and the bound in 60 digits)."""
+    for sigma in (40.0, 4.0, 1.0, 0.5):
+        bound = float(accountant_tail_mp(sigma))
+        chances = [accountant_beyond(2 / sigma, accountant_radius(sigma), pairs)
+                   for pairs in (1, 100, 5 * 10**5)]
         assert max(chances) <= bound
-        assert dptta.sampler_tail(2 / mu) == pytest.approx(bound, rel=1e-12)
-    assert accountant_annulus(0.05, 5 * 10**5) > 100 * accountant_annulus(0.05, 1)
+        assert dptta.sampler_tail(sigma) == pytest.approx(bound, rel=1e-9)
+    r = accountant_radius(40.0)
+    assert accountant_beyond(0.05, r, 5 * 10**5) > 100 * accountant_beyond(0.05, r, 1)
 
 
 @pytest.mark.parametrize("eps,delta", [(9e-4, 1e-6), (5.0, 9e-13), (5.0, 1e-20)])
