@@ -831,7 +831,8 @@ class DPTTA(nn.Module):
         return self
 
     def loss(self, logits, context):
-        """ℓ_i, the per-sample loss whose gradient is clipped."""
+        """ℓ_i, the per-sample loss whose gradient is clipped: the method's loss with its hp
+        bound, the loss_fn(logits, context) that per_sample_grads takes."""
         return self.method.loss(logits, context, self.hp)
 
     @torch.no_grad()

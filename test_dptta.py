@@ -2947,6 +2947,27 @@ def test_cli_without_a_network_the_weights_error_is_quick_and_one_line(
     assert "HF_HUB_OFFLINE=1" in err and "--checkpoint" in err and not asked
 
 
+def test_cli_hidden_folders_and_files_hold_no_images_of_the_stream(cli_tree, cli_models, capsys,
+                                                                    tmp_path):
+    """A notebook's .ipynb_checkpoints beside the class folders and inside one, and a macOS ._
+    twin: no class, no image (a hidden folder named as a class was refused as no WordNet id).
+    The oracle: the images this test wrote, 2 per corruption."""
+    root = tmp_path / "c"
+    dptta.make_synthetic_tree(str(root), CLI_TWO.split(","), 5, 2, size=32)
+    for corruption in CLI_TWO.split(","):
+        folder = root / corruption / "5"
+        wnid = sorted(p for p in folder.iterdir())[0]
+        for hidden in (folder / ".ipynb_checkpoints", wnid / ".ipynb_checkpoints"):
+            hidden.mkdir()
+            (hidden / "copy.JPEG").write_bytes(next(wnid.glob("*.JPEG")).read_bytes())
+        (wnid / "._000000.JPEG").write_bytes(b"\x00\x05\x16\x07")  # not even an image
+    out = tmp_path / "r.jsonl"
+    flags = cli_data(cli_tree) + ["--data", root, "--method", "tent"]
+    code, _, err = cli_main(capsys, *flags, "--out", out)
+    assert code == 0, err
+    assert cli_records(out)[-1]["images"] == {c: 2 for c in CLI_TWO.split(",")}
+
+
 def test_cli_a_smoke_run_ignores_imagenet_c_in_the_environment(cli_models, capsys, monkeypatch,
                                                                tmp_path):
     """$IMAGENET_C set (to a folder that is not there) does not touch a --synthetic run."""
