@@ -5,26 +5,30 @@ the original method's equations).
     python -m pytest -q test_dptta.py
 
 Every test runs with vmap's per-sample fallback switched off (the fixture below): an op that
-would make vmap loop over the samples is an error, as it would be a silent slowdown on a GPU.
+would make vmap loop over the samples is an error here, where in a user's run it would be a
+slowdown on a GPU that only torch's own warning names.
 
 Claims and the tests that check them (privacy's claims numbered as in dptta.py's block "Why it
 is private"):
   the accountant: δ(ε), σ, ε  test_gdp_delta_matches_60_digit_arithmetic_*, test_paper_sigma_*,
                               test_calibrate_sigma_equals_the_60_digit_inverse_*,
                               test_repeats_scale_sigma_*, test_gdp_epsilon_is_finite_*
-  what adapts                 test_adaptable_params_*, test_the_trunk_is_found_in_a_wrapped_model
+  what adapts                 test_adaptable_params_*, test_the_trunk_is_found_in_a_wrapped_model,
+                              test_norms_take_a_hosts_rule_or_names_*
   per-sample gradients        test_per_sample_grads_*, test_an_op_without_a_batching_rule_*,
                               test_cuda_fused_attention_runs_batched_forward_and_backward
   1. sensitivity 2C           test_a_private_step_does_not_peek_at_other_samples,
                               test_deyo_context_row_depends_on_its_image_alone,
                               test_clip_without_noise_*, test_a_non_finite_*, test_*batchnorm*
   2. each image in one step   test_an_accumulated_*, test_a_window_holds_its_images_*,
-                              test_a_pending_window_*, test_a_shallow_copy_has_a_window_*
+                              test_a_pending_window_*, test_a_shallow_copy_has_a_window_*,
+                              test_repeats_keep_the_claim_*
   3. the Gaussian mechanism   test_noise_std_*, test_neighbouring_releases_are_mu_gdp_*
   4. secret noise, not reused test_noise_stream_known_answer_*, test_noise_seed_replays_*,
                               test_a_noise_stream_is_never_copied_*, test_two_adapters_*,
                               test_copies_draw_noise_*, test_a_pickled_adapter_*,
-                              test_forked_workers_*, test_threads_drawing_*
+                              test_forked_workers_*, test_a_forked_child_rekeys_*,
+                              test_threads_drawing_*
   5. the lattice              test_a_release_is_the_rounded_sum_*, test_a_release_lies_on_one_*,
                               test_a_zero_in_a_release_is_never_minus_zero
   6. post-processing          test_fisher_penalty_is_added_after_the_noise_unclipped,
@@ -34,7 +38,8 @@ is private"):
                               test_a_release_beyond_the_accountants_coordinates_is_refused
   the guarantee, end to end   test_white_box_audit_*, test_end_to_end_audit_*,
                               test_the_audit_shows_an_original_leaks
-  each original = its authors' step   test_tent_*, test_eata_*, test_sar_*, test_deyo_*
+  each original = its authors' step   test_tent_*, test_eata_*, test_sar_*, test_deyo_*,
+                                      test_sar_and_deyo_on_the_hosts_norms_*
   each dp_ = the paper's recipe       test_dp_variants_equal_the_papers_recipe_written_out
   adaptation helps                    test_adaptation_beats_*, test_single_images_*
   the README's code and header        test_the_readmes_*, test_the_library_snippet_*,
@@ -79,9 +84,6 @@ from torchvision.models.convnext import CNBlockConfig
 
 import dptta
 
-# vmap's per-sample loop, where the pass takes it, is a warning; in the suite, an error: every
-# model the tests adapt is certified loop-free (one test asks for the loop, and catches it)
-pytestmark = pytest.mark.filterwarnings("error:.*has no vmap batching rule")
 HERE = os.path.dirname(os.path.abspath(__file__))
 K = 10  # classes of the tiny models
 
@@ -141,9 +143,9 @@ def loop_grads(model, names, loss_fn, x, context=None):
     return {n: torch.stack(v) for n, v in out.items()}
 
 
-# Every filter open, for random weights: H <= ln K, so margins of 1.01·ln K keep every sample;
-# PLPD >= −1; SAR never resets
-WIDE_OPEN = dict(e_margin=1.01, d_margin=math.inf, deyo_margin=1.01, plpd_threshold=-2.0,
+# Every filter open, for random weights: H < ln K but for an exactly uniform softmax, so margins
+# of 1·ln K (the most DPTTA takes) keep every sample; PLPD >= −1; SAR never resets
+WIDE_OPEN = dict(e_margin=1.0, d_margin=math.inf, deyo_margin=1.0, plpd_threshold=-2.0,
                  reset_ema=-math.inf)
 
 
@@ -504,22 +506,113 @@ def test_the_trunk_is_found_in_a_wrapped_model(wrap):
     vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
                             depth=12, embed_dim=16, num_heads=1)
     resnet = timm.create_model("resnet50", pretrained=False)
-    for model, every, lower, per_sample in ((vit, 50, 36, True), (resnet, 106, 86, False)):
-        bare = dptta.adaptable_params(model, norms="lower", per_sample=per_sample)
+    for model, every, lower in ((vit, 50, 36), (resnet, 106, 86)):
+        bare = dptta.adaptable_params(model, norms="lower")
         host, prefix = wrapped(model)
-        got = dptta.adaptable_params(host, norms="lower", per_sample=per_sample)
+        got = dptta.adaptable_params(host, norms="lower")
         assert list(got) == [prefix + n for n in bare] and len(got) == lower
-        assert len(dptta.adaptable_params(host, per_sample=per_sample)) == every
+        assert len(dptta.adaptable_params(host)) == every
 
 
-def test_a_batchnorm_model_is_refused_per_sample_naming_bn_source_and_accepted_otherwise():
-    """A BatchNorm model: per_sample=True is a one-line ValueError that names bn="source";
-    per_sample=False adapts its BatchNorm affine tensors."""
+def originals_skip(name):
+    """SAR's and DeYO's own rule (mr-eggplant/SAR, Jhyun17/DeYO collect_params), written out: a
+    module is skipped by its name, whatever the model."""
+    top = ("layer4", "blocks.9", "blocks.10", "blocks.11", "norm.")
+    return any(part in name for part in top) or name in ["norm"]
+
+
+def originals_collect_params(model):
+    """The names the originals' collect_params returns: the weight and bias of each
+    BatchNorm2d, LayerNorm and GroupNorm whose name the rule does not skip."""
+    names = []
+    for name, module in model.named_modules():
+        if not originals_skip(name) and isinstance(module, (nn.BatchNorm2d, nn.LayerNorm,
+                                                            nn.GroupNorm)):
+            names += [f"{name}.{leaf}" for leaf, _ in module.named_parameters()
+                      if leaf in ("weight", "bias")]
+    return names
+
+
+class AdaptThreeStages(AdaptResNetLike):
+    """A CIFAR-style ResNet of three stages (as the benchmark's resnet26_gn): no layer4."""
+
+    def __init__(self):
+        super().__init__()
+        del self.layer4
+
+    def forward(self, x):
+        x = self.layer3(self.layer2(self.layer1(self.gn1(self.conv1(x)))))
+        return self.fc(x.mean((2, 3)))
+
+
+ORIGINALS_MODELS = {  # a model where "lower" and the originals' names differ -> the host's count
+    "three-stage ResNet": (AdaptThreeStages, 8),
+    "ViT of depth 6": (lambda: tiny_vit(depth=6), 24),
+    "ViT of depth 12 in a wrapper": (lambda: AdaptHolder(tiny_vit(depth=12)), 38),
+}
+
+
+@pytest.mark.parametrize("family", ORIGINALS_MODELS)
+def test_norms_take_a_hosts_rule_or_names_and_adapt_exactly_the_hosts_tensors(family):
+    """Where "lower" (the trunk cut) and the originals' name rule differ (no layer4, a depth not
+    12, a wrapper's prefix on the final norm), norms= given the host's rule as a predicate, or
+    the names its collect_params returns, adapts exactly the host's tensors, in its order, the
+    model's own; any other value of norms is refused in one line. Oracle: the originals' rule
+    written out, and its counts (50 tensors of a ResNet-26 are 8 here, 38 of a wrapped ViT)."""
+    build, count = ORIGINALS_MODELS[family]
+    model = build()
+    names = originals_collect_params(model)
+    assert len(names) == count
+    assert list(dptta.adaptable_params(model, norms="lower")) != names  # what norms= is for
+    own = dict(model.named_parameters())
+    for norms in (lambda name, module: not originals_skip(name), names):
+        got = dptta.adaptable_params(model, norms=norms)
+        assert list(got) == names and all(got[n] is own[n] for n in names)
+        assert list(dptta.DPTTA(build(), "dp_sar", eps=5, clip=1.0, lr=0.1,
+                                norms=norms).params) == names
+    for bad in ("Lower", "al"):
+        with pytest.raises(ValueError, match="norms") as e:
+            dptta.adaptable_params(model, norms=bad)
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["three-stage ResNet", "ViT of depth 6"])
+@pytest.mark.parametrize("method", ["sar", "deyo"])
+def test_sar_and_deyo_on_the_hosts_norms_equal_their_steps_written_out(method, family):
+    """SAR and DeYO with norms= the originals' names, on the models where those differ from
+    "lower": each step equals the original written out on exactly those tensors."""
+    torch.manual_seed(0)
+    model = ORIGINALS_MODELS[family][0]().double().eval()
+    if family == "three-stage ResNet":  # a spread head, as tiny_vit's: the weights vary
+        with torch.no_grad():
+            model.fc.weight.mul_(30)
+    names, xs, lr = originals_collect_params(model), methods_batches(3, 12), 0.05
+    if method == "sar":
+        record, _, _ = methods_hand_sar(model, xs, lr, None, 1.0, 0.5, -math.inf, names=names)
+        a = dptta.DPTTA(model, "sar", lr=lr, e_margin=1.0, rho=0.5, reset_ema=-math.inf,
+                        norms=names)
+    else:
+        record, _, _ = methods_hand_deyo(model, xs, lr, None, methods_entropy, 1.0, -2.0,
+                                         names=names)
+        a = dptta.DPTTA(model, "deyo", lr=lr, deyo_margin=1.0, plpd_threshold=-2.0, norms=names)
+    methods_replay(a, xs, record)
+
+
+@pytest.mark.parametrize("kwargs", [dict(method="dp_tent", eps=5.0, clip=1.0),
+                                    dict(method="tent", clip=1.0), dict(method="sar", clip=1.0)])
+def test_a_batchnorm_model_is_refused_per_sample_naming_bn_source_and_accepted_otherwise(kwargs):
+    """A BatchNorm model with a clip (private, or clip-only) and bn="train", where BatchNorm
+    would normalize with the batch: a one-line ValueError that names bn="source" first, before
+    the adapter sets BatchNorm's modes (none is left in train mode); with bn="source" it adapts
+    its BatchNorm affine tensors, which adaptable_params lists."""
+    model = tiny_bn_cnn()
     with pytest.raises(ValueError) as e:
-        dptta.adaptable_params(tiny_bn_cnn())
+        dptta.DPTTA(model, lr=0.1, **kwargs)
     assert "\n" not in str(e.value) and str(e.value).startswith('bn="source"')
-    got = dptta.adaptable_params(tiny_bn_cnn(), per_sample=False)
+    assert not any(m.training for m in model.modules())
+    got = dptta.adaptable_params(tiny_bn_cnn())
     assert list(got) == ["1.weight", "1.bias", "4.weight", "4.bias"]
+    assert list(dptta.DPTTA(model, lr=0.1, bn="source", **kwargs).params) == list(got)
 
 
 # ----------------------------------------------------------------------------
@@ -543,6 +636,21 @@ def per_sample_groupnorm_cnn():
     return nn.Sequential(nn.Conv2d(3, 8, 3, 2), nn.GroupNorm(2, 8), nn.ReLU(),
                          nn.Conv2d(8, 8, 3, 2), nn.GroupNorm(4, 8), nn.ReLU(),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, K))
+
+
+class PerSampleHFSwinPool(nn.Module):
+    """A stand-in for how Hugging Face's Swin ends (transformers is no dependency): tokens
+    [B, L, C] through a LayerNorm, transposed to [B, C, L], a non-contiguous view, into
+    nn.AdaptiveAvgPool1d, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm = nn.Conv2d(3, 16, 8, 8), nn.LayerNorm(16)
+        self.pool, self.head = nn.AdaptiveAvgPool1d(1), nn.Linear(16, K)
+
+    def forward(self, x):
+        tokens = self.norm(self.embed(x).flatten(2).transpose(1, 2))  # [B, L, C]
+        return self.head(self.pool(tokens.transpose(1, 2)).flatten(1))
 
 
 PER_SAMPLE_VIT = dict(pretrained=False, img_size=32, patch_size=8, depth=2, embed_dim=32,
@@ -569,6 +677,7 @@ PER_SAMPLE_MODELS = {  # family -> a tiny random model
     "torchvision ConvNeXt": lambda: torchvision.models.ConvNeXt(
         [CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)], num_classes=K),
     "returns .logits": PerSampleReturnsObject,
+    "Hugging Face Swin's 1-d pool": PerSampleHFSwinPool,
     "BatchNorm CNN, eval": lambda: tiny_bn_cnn(),
 }
 
@@ -603,8 +712,11 @@ def test_per_sample_grads_equal_a_float64_loop_in_every_family(family):
     fallback off (the fixture): exact, and no per-sample loop; the logits are the model's."""
     m = per_sample_model(family)
     x = images(5, dtype=torch.float64)
-    params = dptta.adaptable_params(m, per_sample="BatchNorm" not in family)
-    g, logits = dptta.per_sample_grads(m, params, per_sample_entropy, x)
+    params = dptta.adaptable_params(m)
+    with warnings.catch_warnings(record=True) as seen:  # (no loop taken behind a warning)
+        warnings.simplefilter("always")
+        g, logits = dptta.per_sample_grads(m, params, per_sample_entropy, x)
+    assert not [w for w in seen if "batching rule" in str(w.message)]
     per_sample_assert_equal(g, loop_grads(m, list(params), per_sample_entropy, x))
     with torch.no_grad():
         want = getattr(m(x), "logits", m(x))
@@ -631,11 +743,11 @@ def test_per_sample_grads_reads_context_row_i_and_chunks_change_nothing():
     assert not torch.allclose(g["blocks.0.norm1.weight"], want["blocks.0.norm1.weight"])
 
 
-@pytest.mark.parametrize("fast_path,fallback", [(True, True), (False, False), (True, False)])
-def test_per_sample_grads_switches_fast_path_and_fallback_off_and_restores_them(fast_path,
-                                                                                fallback):
-    """During the pass (seen from inside the loss) MHA's fast path and vmap's fallback are off;
-    after it both are as they were found, True or False, on a torchvision ViT."""
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_per_sample_grads_switches_the_fast_path_off_and_restores_it(fast_path):
+    """During the pass (seen from inside the loss) MHA's fast path is off, and after it as it
+    was found, True or False, on a torchvision ViT; vmap's fallback is the caller's (here the
+    suite's: off) throughout."""
     m = per_sample_model("torchvision ViT")
     seen = []
 
@@ -647,11 +759,10 @@ def test_per_sample_grads_switches_fast_path_and_fallback_off_and_restores_them(
     found = torch.backends.mha.get_fastpath_enabled()
     try:
         torch.backends.mha.set_fastpath_enabled(fast_path)
-        torch._C._functorch._set_vmap_fallback_enabled(fallback)
         dptta.per_sample_grads(m, dptta.adaptable_params(m), loss, images(2, dtype=torch.float64))
         assert seen and set(seen) == {(False, False)}
         assert torch.backends.mha.get_fastpath_enabled() == fast_path
-        assert torch._C._functorch._is_vmap_fallback_enabled() == fallback
+        assert not torch._C._functorch._is_vmap_fallback_enabled()
     finally:
         torch.backends.mha.set_fastpath_enabled(found)
 
@@ -659,7 +770,7 @@ def test_per_sample_grads_switches_fast_path_and_fallback_off_and_restores_them(
 def test_per_sample_grads_refuses_a_batchnorm_in_train_mode():
     """A BatchNorm that normalizes with the batch couples the samples: a one-line ValueError."""
     m = tiny_bn_cnn().train()
-    params = dptta.adaptable_params(m, per_sample=False)
+    params = dptta.adaptable_params(m)
     with pytest.raises(ValueError, match="BatchNorm") as e:
         dptta.per_sample_grads(m, params, entropy_loss, images(3, dtype=torch.float64))
     assert "\n" not in str(e.value) and str(e.value).startswith('bn="source"')  # the fix first
@@ -681,22 +792,26 @@ class PerSampleFusedAttention(nn.Module):
         return self.head(self.kernel(q, k, v).transpose(1, 2).reshape(N, T, D).mean(1))
 
 
-def test_an_op_without_a_batching_rule_runs_exact_through_the_fallback_and_warns_once():
+def test_an_op_without_a_batching_rule_runs_exact_through_the_fallback_and_torch_names_it(
+        capfd):
     """A forward that calls fused CPU attention itself (no vmap rule; sdpa_kernel cannot swap
-    a direct call): the pass warns once, naming the op, and runs it once per sample through
-    vmap's fallback, exact against the float64 loop; the fallback is off again after it."""
+    a direct call): with vmap's fallback on (torch's default) the pass runs it once per sample,
+    exact against the float64 loop, and torch's own warning names the op; with it off (as the
+    suite certifies the card's models) the pass fails naming the op."""
     cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     m = PerSampleFusedAttention(lambda q, k, v: cpu_flash(q, k, v)[0]).double().eval()
     x = torch.randn(3, 5, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     params = dptta.adaptable_params(m)
+    with pytest.raises(RuntimeError, match="_scaled_dot_product_flash_attention_for_cpu"):
+        dptta.per_sample_grads(m, params, entropy_loss, x)
+    torch._C._functorch._set_vmap_fallback_enabled(True)
+    capfd.readouterr()
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("default")  # as a user's session shows them: each once
-        for _ in range(2):
-            g, _ = dptta.per_sample_grads(m, params, entropy_loss, x)
-    said = [str(w.message) for w in seen if "batching rule" in str(w.message)]
-    assert len(said) == 1 and "_scaled_dot_product_flash_attention_for_cpu" in said[0]
+        warnings.simplefilter("always")
+        g, _ = dptta.per_sample_grads(m, params, entropy_loss, x)
+    said = capfd.readouterr().err + "".join(str(w.message) for w in seen)
+    assert "batching rule for aten::_scaled_dot_product_flash_attention_for_cpu" in said, said
     per_sample_assert_equal(g, loop_grads(m, list(params), entropy_loss, x))
-    assert not torch._C._functorch._is_vmap_fallback_enabled()
 
 
 def per_sample_one_loss(model, params, xi):  # one sample's H, for the textbook vmap(grad(...))
@@ -863,6 +978,23 @@ def test_clip_without_noise_is_the_closed_form_over_all_tensors_jointly():
         one = dptta.clip_and_noise({n: t[i:i + 1] for n, t in g.items()}, C, 0.0,
                                    dptta.NoiseStream())
         assert clip_flat(one).norm().item() == pytest.approx(min(norm, C), rel=1e-12)
+
+
+@pytest.mark.parametrize("clip,sigma", [(1.0, -1.0), (1.0, math.nan), (1.0, math.inf),
+                                        (0.0, 1.0), (-1.0, 0.0), (math.nan, 1.0), (math.inf, 0.0)])
+def test_clip_and_noise_refuses_a_sigma_or_clip_that_would_release_without_noise(clip, sigma):
+    """The step the README invites people to copy: a σ below 0 or NaN (the noise would be
+    skipped, the sum released bare), an infinite σ, and a clip that is not a finite number > 0
+    (a negative one flips the sum) are each a one-line ValueError naming them; so is an empty
+    batch (its mean would be ±inf). Oracle: the release that would have been made is not."""
+    g, _ = clip_grads_of_norms([0.5, 3.0])
+    with pytest.raises(ValueError, match="sigma" if clip == 1.0 else "clip") as e:
+        dptta.clip_and_noise(g, clip, sigma, dptta.NoiseStream())
+    assert "\n" not in str(e.value)
+    empty = {n: t[:0] for n, t in g.items()}
+    with pytest.raises(ValueError, match="empty") as e:
+        dptta.clip_and_noise(empty, 1.0, 1.0, dptta.NoiseStream())
+    assert "\n" not in str(e.value)
 
 
 def test_a_non_finite_sample_counts_as_zero_and_the_divisor_stays_b():
@@ -1360,12 +1492,14 @@ def test_eata_equals_its_hand_written_step(clip):
 # ----------------------------------------------------------------------------
 # SAR
 
-def methods_hand_sar(model, xs, lr, clip, e_margin, rho, reset_ema):
+def methods_hand_sar(model, xs, lr, clip, e_margin, rho, reset_ema, names=None):
     """SAR written out (mr-eggplant/SAR): keep H < E0 at θ; ε = ρ·g/‖g‖ with g the plain mean
     gradient of the kept; at θ + ε re-filter the kept (H < E0 again) and take their gradient
     (with a clip: per sample, clipped, over the number kept); step from θ with momentum; ema ←
     0.9·ema + 0.1·loss2 (the first: loss2), and ema < reset_ema resets θ, momentum and ema."""
-    hand = MethodsHand(model, methods_norms(model, lower=True), lr)
+    if names is None:
+        names = methods_norms(model, lower=True)
+    hand = MethodsHand(model, names, lr)
     E0, ema = e_margin * math.log(K), None
     record, info = [], dict(kept=[], resets=[], emas=[])
     for x in xs:
@@ -1446,12 +1580,15 @@ def test_sar_recovery_resets_theta_momentum_and_ema():
 # ----------------------------------------------------------------------------
 # DeYO and DeYO-COME
 
-def methods_hand_deyo(model, xs, lr, clip, H_of, deyo_margin, tau, e_margin=0.4, seed=0):
+def methods_hand_deyo(model, xs, lr, clip, H_of, deyo_margin, tau, e_margin=0.4, seed=0,
+                      names=None):
     """DeYO written out (Jhyun17/DeYO; DeYO-COME with COME's entropy H_of): keep H <
     deyo_margin·ln K; x′ = 4×4 patch shuffle; PLPD = p(ŷ|x) − p(ŷ|x′), ŷ = argmax p(·|x);
     keep PLPD > tau; loss the mean over kept of (exp(E0 − H) + exp(PLPD))·H, weight detached,
     E0 = e_margin·ln K (with a clip: per sample, clipped, over the number kept)."""
-    hand = MethodsHand(model, methods_norms(model, lower=True), lr)
+    if names is None:
+        names = methods_norms(model, lower=True)
+    hand = MethodsHand(model, names, lr)
     shuffles = torch.Generator().manual_seed(seed)  # the adapter's seed
     E0, record, counts = e_margin * math.log(K), [], []
     for x in xs:
@@ -1858,6 +1995,48 @@ def test_forked_workers_draw_noise_of_their_own_and_a_noise_seed_replays_in_them
     assert torch.equal(replays[0], replays[1]) and torch.equal(replays[0], replays[2])
 
 
+def noise_in_a_child(stream, before_the_draw):
+    """stream.normal(64) drawn in a forked child after before_the_draw() ran there."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            before_the_draw()
+            os.write(write, pickle.dumps(stream.normal(64, dtype=torch.float64)))
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        drawn = f.read()
+    os.waitpid(pid, 0)
+    return pickle.loads(drawn)
+
+
+def test_a_forked_child_rekeys_at_the_fork_whatever_its_pid_and_with_a_held_lock():
+    """A child forked from a stream that never drew, whose os.getpid returns its parent's pid
+    (the parent gone and the pid counter wrapped): its draw is not the parent's next one. A
+    child forked while another thread of the parent held the stream's lock draws (a lock of its
+    own: no hang). A seeded stream replays in the child. Oracle: the parent's own draw."""
+    parent = os.getpid()
+    stream = dptta.NoiseStream()
+
+    def parents_pid():
+        os.getpid = lambda: parent
+
+    child = noise_in_a_child(stream, parents_pid)
+    assert not torch.equal(child, stream.normal(64, dtype=torch.float64))
+    stream.lock.acquire()  # held, as by another thread, at the fork
+    try:
+        child = noise_in_a_child(stream, lambda: signal.alarm(10))
+    finally:
+        stream.lock.release()
+    assert len(child) == 64
+    seeded = dptta.NoiseStream(seed=4)
+    child = noise_in_a_child(seeded, parents_pid)
+    assert torch.equal(child, seeded.normal(64, dtype=torch.float64))
+
+
 def test_threads_drawing_from_one_stream_never_get_one_block_twice(monkeypatch):
     """8 threads draw 40 blocks each from one stream, with the window between reading the block
     number and advancing it made wide (SHAKE-256 slowed by a sleep, which lets the other threads
@@ -2020,8 +2199,7 @@ def test_fisher_information_normalizes_as_the_adapter_will_and_leaves_the_model_
     copy_for_hand = copy.deepcopy(model).train(bn == "train")
     want = methods_fisher(copy_for_hand, names, batches)
     loader = [(x, torch.zeros(len(x), dtype=torch.long)) for x in batches]
-    got = dptta.fisher_information(model, dptta.adaptable_params(model, per_sample=False), loader,
-                                   bn=bn)
+    got = dptta.fisher_information(model, dptta.adaptable_params(model), loader, bn=bn)
     for n in names:
         torch.testing.assert_close(got[n], want[n], rtol=1e-9, atol=1e-15)
     assert all(m.training for m in model.modules())
@@ -2085,6 +2263,22 @@ def test_adapts_inside_no_grad_and_inference_mode_and_skips_an_empty_batch(metho
     assert str(a.opt.state_dict()) == str(momentum)
 
 
+def test_repeats_keep_the_claim_for_images_a_host_shows_k_times():
+    """A host that shows each image twice (the benchmark's gradual setting): repeats=2 makes σ
+    calibrate_sigma's for two releases, and two passes at that σ compose (μ√2, 60 digits) to
+    δ(5) within 1e-6; at the σ of one pass the same two would exceed it."""
+    two = adapter("dp_tent", repeats=2)
+    one = adapter("dp_tent")
+    assert two.sigma == dptta.calibrate_sigma(eps=5.0, delta=1e-6, repeats=2) > one.sigma
+    assert accountant_delta_of_mu(5.0, math.sqrt(2) * 2 / two.sigma) <= 1e-6
+    assert accountant_delta_of_mu(5.0, math.sqrt(2) * 2 / one.sigma) > 1e-6
+    a, x = adapter("dp_tent", repeats=2, lr=1.0), images(6)
+    for _ in range(2):  # the two releases of one batch: each with the noise of σ
+        before = {n: p.detach().clone() for n, p in a.params.items()}
+        a(x)
+        assert any(not torch.equal(before[n], p) for n, p in a.params.items())
+
+
 def test_a_hosts_optimizer_steps_on_the_private_delta_and_reset_builds_a_fresh_one():
     """optimizer=: a function of θ's parameters. Adam and Nesterov SGD (the benchmark's) each
     take one step on the same released Δ (one noise_seed): Adam's θ1 is torch's Adam on Δ from
@@ -2120,19 +2314,32 @@ def test_a_hosts_optimizer_steps_on_the_private_delta_and_reset_builds_a_fresh_o
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("method,margin", [("dp_eata", "e_margin"), ("eata", "e_margin"),
+                                           ("sar", "e_margin"), ("deyo", "e_margin"),
+                                           ("deyo", "deyo_margin"), ("dp_deyo_come", "e_margin")])
+def test_a_margin_in_the_other_unit_is_refused_naming_its_unit(method, margin):
+    """mr-eggplant's --e_margin is E0 itself, 0.4·ln 1000 = 2.76; dptta's margins are
+    multiples of ln K. 2.76 (every image passes, the weights exp(E0 − H) grow to 1e3) and NaN
+    are refused in one line that gives the unit; 1, the largest entropy ln K, is taken."""
+    kwargs = dict(lr=0.1)
+    if method.startswith("dp_"):
+        kwargs.update(eps=5.0, clip=1.0)
+    for bad in (2.76, math.nan):
+        with pytest.raises(ValueError, match="0.4 means 0.4·ln K") as e:
+            dptta.DPTTA(tiny_vit(depth=1), method, **kwargs, **{margin: bad})
+        assert "\n" not in str(e.value) and margin in str(e.value)
+    assert dptta.DPTTA(tiny_vit(depth=1), method, **kwargs, **{margin: 1.0}).hp[margin] == 1.0
+
+
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(method="tentt", lr=0.1), "unknown method"),
     (dict(method="tent", eps=1.0, lr=0.1), "eps is for dp_ methods"),
     (dict(method="dp_tent", clip=1.0, lr=0.1), "eps is for dp_ methods, which need it"),
     (dict(method="dp_tent", eps=5.0, lr=0.1), "needs clip"),
     (dict(method="dp_tent", eps=5.0, clip=0.0, lr=0.1), "clip must be finite and > 0"),
     (dict(method="tent", clip=-1.0, lr=0.1), "clip must be finite and > 0"),
     (dict(method="dp_tent", eps=5.0, clip=math.inf, lr=0.1), "clip must be finite and > 0"),
-    (dict(method="tent", lr=0.0), "needs a finite lr > 0"),
-    (dict(method="dp_tent", eps=5.0, clip=1.0, lr=-1.0), "needs a finite lr > 0"),
-    (dict(method="tent", lr=math.inf), "needs a finite lr > 0"),
-    (dict(method="tent", lr=1e308), "needs a finite lr > 0"),  # SGD's fp32 θ: an overflow
-    (dict(method="tent"), "needs a finite lr > 0"),
+    (dict(method="tent"), "takes lr or optimizer"),
+    (dict(method="dp_tent", eps=5.0, clip=1.0, lr=-1.0), "Invalid learning rate"),  # torch's
     (dict(method="tent", lr=0.1, e_margin=0.4), "has no constant e_margin"),
     (dict(method="dp_eata", eps=5.0, clip=1.0, lr=0.1, d_margin=0.05), "has no constant d_margin"),
     (dict(method="tent", lr=0.1, bn="eval"), "bn is 'train' or 'source'"),
@@ -2143,9 +2350,10 @@ def test_a_hosts_optimizer_steps_on_the_private_delta_and_reset_builds_a_fresh_o
           eps=5.0, clip=1.0, lr=0.1), "a DP variant has no filter"),
 ])
 def test_adapter_refuses_bad_arguments_with_one_line(kwargs, message):
-    """Each misuse is a ValueError of one line that names it."""
+    """Each misuse is a ValueError of one line that names it, when the adapter is built or, for
+    a clip (clip_and_noise's check), at its first step, before it returns a prediction."""
     with pytest.raises(ValueError, match=message) as e:
-        dptta.DPTTA(tiny_vit(depth=1), **kwargs)
+        dptta.DPTTA(tiny_vit(depth=1), **kwargs)(images(4))
     assert "\n" not in str(e.value)
 
 
