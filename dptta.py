@@ -997,14 +997,12 @@ class DPTTA(nn.Module):
 # ============================================================================
 # Part II: the paper's tuned values, and ImageNet-C from the command line
 import argparse
-import functools
 import json
 import platform
 import signal
 import sys
 import tempfile
 import time
-import urllib.request
 
 import timm
 from PIL import Image
@@ -1080,7 +1078,7 @@ CORRUPTIONS = (  # ImageNet-C's 15, in the customary order
     "gaussian_noise shot_noise impulse_noise defocus_blur glass_blur motion_blur zoom_blur snow "
     "frost fog brightness contrast elastic_transform pixelate jpeg_compression"
 ).split()
-LAYOUT = "ROOT/<corruption>/<severity>/<wnid>/*.JPEG (ImageNet-R: ROOT/<wnid>/*.jpg)"
+HELD_OUT = "speckle_noise gaussian_blur spatter saturate".split()  # its 4 for choosing values
 STREAM_IMAGES = dict(imagenet_c=50_000, imagenet_r=30_000)  # a whole stream: a paper cell's
 DEFAULT_MODEL = "vit_base_patch16_224.augreg2_in21k_ft_in1k"  # the paper's ViT-B/16 weights
 
@@ -1090,12 +1088,12 @@ class UnreadableImage(OSError):
 
 
 def read_image(path):
-    """ImageFolder's loader: the image in RGB, or UnreadableImage naming its file (found where
-    the image is opened anyway: nothing is read twice)."""
+    """ImageFolder's loader: the image in RGB, or UnreadableImage naming its file (PIL's own
+    message for a truncated file does not name it)."""
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
-    except Exception as e:  # PIL raises many kinds, a truncated file's without its name
+    except Exception as e:  # PIL raises many kinds
         raise UnreadableImage(f"{path}: {e}") from None
 
 
@@ -1107,45 +1105,42 @@ class WnidFolder(ImageFolder):
         return classes, {c: i for i, c in enumerate(classes)}
 
 
-@functools.cache
-def imagenet_index():
-    """{WordNet id: its ImageNet-1k index}, read once from timm's class list."""
-    return {wnid: i for i, wnid in enumerate(timm.data.ImageNetInfo().label_names())}
-
-
 def wnid_folder(root, imagenet_labels=True):
-    """A WnidFolder of <wnid>/ class folders. imagenet_labels: each image's label is its
-    WordNet id's ImageNet-1k index (ImageNet-C, any subset of the classes); else the index of
-    its folder among those present (ImageNet-R, scored on a head of those classes)."""
+    """A WnidFolder of <wnid>/ class folders (no image in a hidden file or folder: macOS' ._
+    twins, .DS_Store). imagenet_labels: each image's label is its WordNet id's ImageNet-1k
+    index (ImageNet-C, any subset of the classes); else the index of its folder among those
+    present (ImageNet-R, scored on a head of those classes)."""
 
-    def is_image(path):  # an image file, with no hidden part (macOS' ._ twins, .DS_Store)
+    def is_image(path):
         parts = os.path.relpath(path, root).split(os.sep)
         return path.lower().endswith(IMG_EXTENSIONS) and not any(p.startswith(".") for p in parts)
 
     folder = WnidFolder(root, loader=read_image, is_valid_file=is_image)  # refuses an empty one
-    index = imagenet_index()
-    unknown = [c for c in folder.classes if c not in index]
-    require(not unknown, f"{root}: not ImageNet-1k WordNet ids: {unknown}; expected {LAYOUT}")
-    folder.imagenet_index = [index[c] for c in folder.classes]
+    index = {wnid: i for i, wnid in enumerate(timm.data.ImageNetInfo().label_names())}
+    folder.imagenet_index = [index[wnid] for wnid in folder.classes]
     if imagenet_labels:
         folder.samples = [(path, folder.imagenet_index[y]) for path, y in folder.samples]
     return folder
 
 
-def keep_classes(model, classes):
-    """The model's head cut to the rows of `classes` (Hendrycks' ImageNet-R mask), so that the
-    adapter's losses see the logits that are scored."""
-    head = model.get_classifier()
-    weight, bias = head.weight[classes].clone(), head.bias[classes].clone()
-    model.reset_classifier(len(classes))
-    with torch.no_grad():
-        model.get_classifier().weight.copy_(weight)
-        model.get_classifier().bias.copy_(bias)
+def open_streams(args):
+    """(corruption, its WnidFolder) for each stream, every folder opened before the first image;
+    no file twice in a run (a linked folder would release its images twice under a claim that
+    counts each once): each is known by its device and inode, however it is linked."""
+    if args.dataset == "imagenet_r":
+        streams = [("imagenet_r", wnid_folder(args.data, imagenet_labels=False))]
+    else:
+        roots = [os.path.join(args.data, c, str(args.severity)) for c in args.corruptions]
+        streams = [(c, wnid_folder(root)) for c, root in zip(args.corruptions, roots)]
+    files = [os.stat(path) for _, folder in streams for path, _ in folder.samples]
+    once = len({(f.st_dev, f.st_ino) for f in files}) == len(files)
+    require(once, f"{args.data}: a file twice in the run (a link?); each image is shown once")
+    return streams
 
 
 def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
     """An ImageNet-C-shaped tree of random JPEGs, n per corruption over 10 wnids (smoke runs)."""
-    wnids, rng = list(imagenet_index())[:10], np.random.default_rng(seed)
+    wnids, rng = timm.data.ImageNetInfo().label_names()[:10], np.random.default_rng(seed)
     for c in corruptions:
         for i in range(n):
             folder = os.path.join(root, c, str(severity), wnids[i % len(wnids)])
@@ -1154,77 +1149,41 @@ def make_synthetic_tree(root, corruptions, severity, n, size=64, seed=0):
             Image.fromarray(pixels).save(os.path.join(folder, f"{i:06d}.JPEG"), quality=90)
 
 
-def open_streams(args):
-    """(corruption, its ImageFolder) for each stream: every folder opened before the first
-    image, and no file in the run twice (a linked class folder would release its images twice
-    under a claim that counts each once)."""
-    if args.dataset == "imagenet_r":
-        streams = [("imagenet_r", wnid_folder(args.data, imagenet_labels=False))]
-    else:
-        roots = [os.path.join(args.data, c, str(args.severity)) for c in args.corruptions]
-        streams = [(c, wnid_folder(root)) for c, root in zip(args.corruptions, roots)]
-    seen = {}  # (device, inode) -> the path it was first seen by: the same file, however linked
-    for _, folder in streams:
-        for path, _ in folder.samples:
-            stat = os.stat(path)
-            if (stat.st_dev, stat.st_ino) in seen:
-                first = seen[stat.st_dev, stat.st_ino]
-                raise ValueError(f"{path} is {first} again (a link?): each image once a run")
-            seen[stat.st_dev, stat.st_ino] = path
-    return streams
-
-
 def build_model(args, streams):
-    """The timm model: the Hub's weights, --checkpoint's, or random ones for a smoke run."""
+    """The timm model: the Hub's weights (offline: HF_HUB_OFFLINE=1 and its cache), those of
+    --checkpoint, or random ones for a smoke run; for ImageNet-R its head cut to the classes
+    present (Hendrycks' mask), so that the adapter's losses see the logits that are scored."""
     torch.manual_seed(args.seed)  # a smoke run's random weights
-    pretrained = not (args.synthetic or args.checkpoint)
-    if pretrained and not os.environ.get("HF_HUB_OFFLINE"):  # the Hub's retries take a minute
-        hub = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-        try:
-            urllib.request.urlopen(urllib.request.Request(hub, method="HEAD"), timeout=10)
-        except OSError as e:
-            offline = "HF_HUB_OFFLINE=1 (weights in the Hugging Face cache) or --checkpoint"
-            raise ValueError(f"cannot reach {hub} for {args.model}'s weights ({e}): {offline}")
-    try:
-        model = timm.create_model(args.model, pretrained=pretrained)
-    except Exception as e:  # an unknown name, weights not in the cache
-        raise ValueError(f"cannot build {args.model}: {first_line(e)}")
+    model = timm.create_model(args.model, pretrained=not (args.synthetic or args.checkpoint))
     if args.checkpoint:
-        require(os.path.isfile(args.checkpoint), f"--checkpoint {args.checkpoint}: no such file")
-        try:
-            timm.models.load_checkpoint(model, args.checkpoint)
-        except Exception as e:  # not a checkpoint, or another model's
-            raise ValueError(f"--checkpoint {args.checkpoint} is no {args.model}: {first_line(e)}")
+        timm.models.load_checkpoint(model, args.checkpoint)
     if args.dataset == "imagenet_r":
-        keep_classes(model, streams[0][1].imagenet_index)
+        head, classes = model.get_classifier(), streams[0][1].imagenet_index
+        head.weight = nn.Parameter(head.weight[classes])
+        head.bias = nn.Parameter(head.bias[classes])
     return model.to(args.device)
 
 
 def fisher_of(args, model, transform):
     """EATA's Fisher information on --fisher-data's clean images. They must be public:
-    disjoint from the test photos, so not inside the test data's root, and not ImageNet's
-    validation images, which ImageNet-C is made from (ImageNet's train images are)."""
+    disjoint from the test photos, so not inside the test data's root (a Fisher of test images
+    would leak them, unclipped and unnoised), and not ImageNet's validation images, which
+    ImageNet-C is made from (ImageNet's train images are public in this sense)."""
     data, clean = os.path.realpath(args.data), os.path.realpath(args.fisher_data)
-    require(
-        os.path.commonpath([data, clean]) != data, "--fisher-data lies inside --data: not public"
-    )
+    require(os.path.commonpath([data, clean]) != data, "--fisher-data lies inside --data")
     folder = wnid_folder(args.fisher_data)
     folder.transform = transform
     loader = DataLoader(folder, args.batch_size, shuffle=True, num_workers=args.workers)
-    return fisher_information(model, adaptable_params(model, per_sample=False), loader, bn=args.bn)
+    return fisher_information(model, adaptable_params(model), loader, bn=args.bn)
 
 
 # ----------------------------------------------------------------------------
 # The command line
-def first_line(error):
-    """An exception's message, cut to its first line (torch's and timm's run to 150)."""
+def fail(error):
+    """A mistake in the input: one line (torch's and timm's messages run to 150), and exit 2
+    (argparse's own errors too)."""
     lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
-
-
-def fail(message):
-    """A mistake in the input: one line, and exit 2 (argparse's own errors too)."""
-    print(f"dptta.py: error: {first_line(message)}", file=sys.stderr)
+    print(f"dptta.py: error: {lines[0] if lines else type(error).__name__}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -1234,114 +1193,84 @@ def stop(code, what):
     return code
 
 
-def positive_int(text, most=None):
+def positive_int(text):
     value = int(text)
-    if value < 1 or (most is not None and value > most):
-        raise argparse.ArgumentTypeError(f"must be in [1, {most or 'inf'}], got {value}")
-    return value
-
-
-def epsilon(text):
-    """--eps: a float, where inf (no noise) is written, not reached by overflow (1e400)."""
-    value = float(text)
-    if math.isinf(value) and "inf" not in text.lower():
-        raise argparse.ArgumentTypeError(f"{text} overflows a float (inf: no noise)")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def hp_value(text):
-    """--hp NAME=VALUE: (name, a number in its domain): counts are ints >= 1, rho >= 0, the
-    margins any number but NaN (±inf opens a filter). DPTTA refuses a name its method lacks."""
+    """--hp NAME=VALUE: a finite number (NaN would open or close a filter silently)."""
     name, _, value = text.partition("=")
     value = json.loads(value)
-    if name == "fisher":
-        raise argparse.ArgumentTypeError("fisher is EATA's, from --fisher-data")
-    if name in ("num_classes", "patch_grid"):  # counts
-        good = type(value) is int and value >= 1
-    elif name == "rho":
-        good = type(value) in (int, float) and value >= 0
-    else:  # margins, thresholds, λ: any number but NaN
-        good = type(value) in (int, float) and not math.isnan(value)
-    if not good:
-        raise argparse.ArgumentTypeError(f"{text}: not a value of {name}")
+    if not (type(value) in (int, float) and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text}: not a finite number")
     return name, value
 
 
+# The flags that only some methods read: one given to another method is refused, not recorded
+# as if it had changed the result. (--hp takes only the method's constants: parse_args)
+DP, STEPPING = [n for n, m in METHODS.items() if m.dp], [n for n in METHODS if n != "source"]
+READ_BY = dict(eps=DP, delta=DP, clip=STEPPING, fisher_data=["eata", "dp_eata"])
+
+
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="DP test-time adaptation on ImageNet-C")
+    # (no abbreviations: --ep is no --eps, as the grid's check of its EXTRA reads whole flags)
+    ap = argparse.ArgumentParser(description="DP test-time adaptation", allow_abbrev=False)
     ap.error = fail
     add = ap.add_argument
-    # (None: not given. A flag that means nothing for a run is refused, not recorded)
     add("--method", default="dp_tent", choices=list(METHODS))
-    add("--eps", type=epsilon, help="ε of a dp_ method (default 5; inf: its recipe, no noise)")
-    add("--delta", type=float, help="δ of a dp_ method (default 1e-6)")
+    add("--eps", type=float, help="ε of a dp_ method (default 5; inf: its recipe, no noise)")
+    add("--delta", type=float, default=1e-6, help="δ of a dp_ method")
     add("--clip", type=float, help="per-sample clip C (default: the paper's)")
     add("--lr", type=float, help="SGD's learning rate (default: the paper's)")
     add("--hp", type=hp_value, action="append", default=[], metavar="NAME=VALUE")
     add("--model", default=DEFAULT_MODEL, help="a timm name")
     add("--checkpoint", help="one's own weights for --model (a local file)")
-    add("--data", help="the root (default $IMAGENET_C)")
+    add("--data", default=os.environ.get("IMAGENET_C"), help="the root (default $IMAGENET_C)")
     add("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"))
-    add("--severity", type=int, choices=range(1, 6), help="ImageNet-C's (default 5)")
-    add("--corruptions", help="comma-separated, in order (default ImageNet-C's 15)")
+    add("--severity", type=int, default=5, choices=range(1, 6), help="ImageNet-C's")
+    add("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, in order")
     add("--setting", default="continual", choices=("continual", "episodic"))
     add("--batch-size", type=positive_int, default=64)
     add("--accumulate", type=positive_int, default=1, help="a step per K batches")
     add("--bn", default="train", choices=("train", "source"), help="BatchNorm's statistics")
     add("--seed", type=int, default=0, help="the data order and DeYO's shuffles, not the noise")
-    add("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     add("--workers", type=int, default=min(8, os.cpu_count()), help="the loader's processes")
     add("--limit", type=positive_int, help="images per corruption")
     add("--out", help="JSON lines, appended (default results.jsonl; smoke: results-smoke.jsonl)")
-    fisher = "EATA: public clean images in <wnid>/ folders, none of them a test photo's (so not"
-    add("--fisher-data", help=fisher + " ImageNet val, which ImageNet-C is made from: train is)")
-    smoke = partial(positive_int, most=1000)
-    add("--synthetic", type=smoke, metavar="N", help="a smoke run: N random images each")
+    add("--fisher-data", help="EATA: public clean images in <wnid>/ folders (not ImageNet val)")
+    add("--synthetic", type=positive_int, metavar="N", help="a smoke run: N random images each")
     add("--summarize", metavar="JSONL", help="the paper's tables from a results file")
     add("--benchmark", action="store_true", help="time each method's plain, clip-only, DP step")
     args = ap.parse_args(argv)
-    private, method = args.method.startswith("dp_"), args.method.removeprefix("dp_")
-    for given, why in [  # a flag given that means nothing for this run: refused, not recorded
-        (args.delta is not None and not private, f"--delta is a dp_ method's, not {method}'s"),
-        (args.clip is not None and args.method == "source", "--clip means nothing for source"),
-        (args.fisher_data is not None and method != "eata", "--fisher-data is EATA's alone"),
-        (args.severity is not None and args.dataset == "imagenet_r", "--severity: ImageNet-C's"),
-        (args.corruptions is not None and args.dataset == "imagenet_r", "--corruptions: C's"),
-        (args.data is not None and args.synthetic, "--data with --synthetic: it makes its own"),
-    ]:
-        if given:
-            ap.error(why)
-    if args.delta is None:
-        args.delta = 1e-6
-    if args.severity is None:
-        args.severity = 5
-    if args.corruptions is None:
-        args.corruptions = ",".join(CORRUPTIONS)
-    args.corruptions = args.corruptions.split(",")
-    if len(set(args.corruptions)) < len(args.corruptions):
-        ap.error(f"--corruptions names one twice ({','.join(args.corruptions)}): its images twice")
-    if args.data is None and not args.synthetic:
-        args.data = os.environ.get("IMAGENET_C")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    for flag, methods in READ_BY.items():
+        if getattr(args, flag) != ap.get_default(flag) and args.method not in methods:
+            ap.error(f"--{flag.replace('_', '-')} means nothing for {args.method}")
+    # the method's constants, never an argument of DPTTA's: --hp noise_seed=0 would make the
+    # noise public under a header that calls it secret
+    method = METHODS[args.method]
+    for name, _ in args.hp:  # (EATA's fisher, not a number, comes from --fisher-data)
+        if name == "fisher" or name not in {**method.constants, **method.filter_constants}:
+            ap.error(f"--hp {name}: not a number constant of {args.method}")
+    args.corruptions = args.corruptions.split(",")  # ImageNet-C's names (folders), each once
+    if sorted(set(args.corruptions) & {*CORRUPTIONS, *HELD_OUT}) != sorted(args.corruptions):
+        ap.error(f"--corruptions: ImageNet-C's, each at most once: {','.join(args.corruptions)}")
+    if args.eps is None and method.dp:
+        args.eps = 5.0
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda, but torch sees no GPU")
-    if args.eps is None and private:
-        args.eps = 5.0
     return args
 
 
-# (paths as given: a run keyed by another path to the same files is another run; the device,
-# as bf16 on a GPU and fp32 on a CPU give other results)
-RUN_KEY = (
-    "method eps delta clip lr model checkpoint data dataset severity corruptions setting "
-    "batch_size accumulate bn device seed limit synthetic fisher_data"
-).split()
-
-
 def run_key(args, hp):
-    """Everything that changes a result (the seed too: --summarize averages over seeds)."""
-    key = {name: getattr(args, name) for name in RUN_KEY}
+    """Every flag that can change a result: all but --workers, --out and the other commands
+    (the seed too: --summarize averages over seeds; paths as given, so that another path to
+    the same files is another run; the device, as bf16 on a GPU and fp32 on a CPU differ)."""
+    unread = ("workers", "out", "summarize", "benchmark")
+    key = {name: value for name, value in vars(args).items() if name not in unread}
     key["hp"] = hp
     if args.eps == math.inf:
         key["eps"] = "inf"  # JSON has no inf
@@ -1372,26 +1301,26 @@ def read_records(path):
     records = []
     if not os.path.exists(path):
         return records
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not a file of JSON lines (not UTF-8 text)") from None
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if isinstance(record, dict) and "kind" in record and isinstance(record.get("key"), dict):
-            records.append(record)
-        else:
-            print(f"{path}:{number}: skipped, not a whole record")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            try:  # one rule: a JSON object with a kind and a key that is an object
+                record = json.loads(line)
+                records.append(dict(record, kind=record["kind"], key=dict(**record["key"])))
+            except (ValueError, TypeError, KeyError):
+                print(f"{path}:{number}: skipped, not a whole record")
     return records
 
 
 def append_record(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """A JSON line appended on a line of its own: after a torn last line (a killed write, a
+    full disk) too, which would otherwise swallow it, and with it a run's start."""
+    line = json.dumps(record).encode() + b"\n"
+    with open(path, "ab+") as f:  # (opened at its end)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                line = b"\n" + line
+        f.write(line)
 
 
 def print_header(args, adapter, source):
@@ -1400,9 +1329,8 @@ def print_header(args, adapter, source):
     print(f"dptta | {args.method} | {args.model} | {args.device} | {dtype}")
     if args.synthetic:
         print(f"SMOKE RUN: {args.synthetic} random images per corruption, random weights")
-    k, data = len(args.corruptions), args.dataset
-    if args.dataset == "imagenet_c":
-        data += f" severity {args.severity}"
+    k, data = len(args.corruptions), f"imagenet_c severity {args.severity}"
+    data = "imagenet_r" if args.dataset == "imagenet_r" else data  # (no severities)
     print(f"data: {data} | {k} stream(s) | {args.setting} | batch {args.batch_size}")
     clip = f"C = {adapter.clip} [{source['clip']}]"
     if adapter.sigma > 0:
@@ -1422,6 +1350,8 @@ def print_header(args, adapter, source):
         hp = "".join(f" | {name}={value}" for name, value in args.hp)
         print(f"lr {adapter.lr} [{source['lr']}] | SGD momentum 0.9{hp}")
         print(f"  adapting {len(adapter.params)} tensors, {n:,} scalars")
+    if args.method.endswith("eata"):
+        print(f"  EATA's Fisher penalty: {'on' if args.fisher_data else 'off (no --fisher-data)'}")
 
 
 # ----------------------------------------------------------------------------
@@ -1442,14 +1372,12 @@ def prepare(args, tmp):
         args.data = tmp
         make_synthetic_tree(tmp, args.corruptions, args.severity, args.synthetic)
     require(args.data is not None, "no data: --data ROOT, $IMAGENET_C or --synthetic N")
-    if args.dataset == "imagenet_r":
-        args.corruptions = ["imagenet_r"]
+    if args.dataset == "imagenet_r":  # one stream, and no severity: the key says so
+        args.corruptions, args.severity = ["imagenet_r"], None
     if args.out is None:
         args.out = "results-smoke.jsonl" if args.synthetic else "results.jsonl"
-    # /dev/full would be read for ever, a pipe would hang
-    require(
-        not os.path.exists(args.out) or os.path.isfile(args.out), f"--out {args.out}: not a file"
-    )
+    # a folder, /dev/null or a pipe would lose the records, /dev/full be read for ever
+    require(not os.path.exists(args.out) or os.path.isfile(args.out), f"{args.out}: not a file")
     key = run_key(args, hp)
     if any(r["kind"] == "run" and r["key"] == key for r in read_records(args.out)):
         print(f"skipped: {args.out} holds this run's finished record (another --out runs it again)")
@@ -1464,26 +1392,19 @@ def prepare(args, tmp):
         images = Subset(folder, order[: args.limit].tolist())
         loader = DataLoader(images, args.batch_size, num_workers=args.workers, pin_memory=cuda)
         loaders.append((corruption, loader))
-    if args.fisher_data:  # (EATA's alone: parse_args refuses it for the others)
+    if args.fisher_data:
         hp = dict(hp, fisher=fisher_of(args, model, transform))
-    kwargs = dict(hp, clip=args.clip, lr=args.lr, bn=args.bn, accumulate=args.accumulate)
-    if args.eps is not None:  # (DPTTA refuses an eps for an original)
-        kwargs.update(eps=args.eps, delta=args.delta)
-    adapter = DPTTA(model, args.method, seed=args.seed, **kwargs)
-    open(args.out, "a").close()  # --out in a missing or read-only folder: now, not after a stream
+    kwargs = dict(hp, eps=args.eps, delta=args.delta, clip=args.clip, lr=args.lr, bn=args.bn)
+    adapter = DPTTA(model, args.method, accumulate=args.accumulate, seed=args.seed, **kwargs)
     print_header(args, adapter, source)
-    if args.method.endswith("eata"):
-        print(f"  EATA's Fisher penalty: {'on' if args.fisher_data else 'off (no --fisher-data)'}")
     return adapter, loaders, key, is_paper_run(args, key["hp"])
 
 
 def adapt(args, adapter, loaders, key, paper):
     """Each corruption through the adapter, predicting then adapting on each batch: a record
-    when the stream starts (an attempt: its steps are released whether it finishes or not), one
+    when the run starts (an attempt: its steps are released whether it finishes or not), one
     per corruption, then one for the finished run."""
-    autocast = contextlib.nullcontext()
-    if args.device == "cuda":
-        autocast = torch.autocast("cuda", torch.bfloat16)
+    autocast = torch.autocast(args.device, torch.bfloat16, enabled=args.device == "cuda")
     start, top1, images = time.time(), {}, {}
     append_record(args.out, dict(kind="start", key=key, time=time.time()))  # (seconds, Unix)
     for corruption, loader in loaders:
@@ -1494,8 +1415,7 @@ def adapt(args, adapter, loaders, key, paper):
             with autocast:
                 logits = adapter(x.to(args.device, non_blocking=True))
             if not all(torch.isfinite(t).all() for t in (logits, *adapter.params.values())):
-                where = f"{corruption}, batch {batch}: non-finite logits or θ (a smaller --lr?)"
-                return stop(3, where)
+                return stop(3, f"{corruption}, batch {batch}: logits or θ not finite (--lr?)")
             hits += (logits.argmax(1).cpu() == y).sum().item()
             seen += len(y)
             if time.time() - shown > 60:  # a progress line at least every minute
@@ -1512,12 +1432,9 @@ def adapt(args, adapter, loaders, key, paper):
     paper = paper and all(n == STREAM_IMAGES[args.dataset] for n in images.values())
     mean, seconds = sum(top1.values()) / len(top1), time.time() - start
     versions = dict(torch=torch.__version__, timm=timm.__version__, python=sys.version.split()[0])
-    device = platform.machine()  # the CPU's architecture; on CUDA, the GPU's model
-    if args.device == "cuda":
-        device = torch.cuda.get_device_name()
-    mu = None  # (no noise: no μ)
-    if adapter.sigma > 0:
-        mu = 2 / adapter.sigma
+    # the CPU's architecture; on CUDA, the GPU's model
+    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.machine()
+    mu = 2 / adapter.sigma if adapter.sigma > 0 else None  # (no noise: no μ)
     record = dict(kind="run", key=key, paper=paper, mean_top1=mean, top1=top1, images=images)
     record.update(sigma=adapter.sigma, mu=mu, smoke=bool(args.synthetic), seconds=seconds)
     append_record(args.out, dict(record, versions=versions, device_name=device))
@@ -1527,32 +1444,22 @@ def adapt(args, adapter, loaders, key, paper):
 
 # ----------------------------------------------------------------------------
 # --summarize: the paper's tables, from the finished runs of a results file
-def column_of(key):
-    """A run's column: non-private, clip-only (an original with a clip) or its ε."""
-    if not key["method"].startswith("dp_"):
-        return "clip-only" if key["clip"] is not None else "non-private"
-    return f"ε={float(key['eps']):g}"  # (a number, or "inf")
-
-
 def summarize(path):
     """A table per (dataset, severity, setting, model, device) of the paper's cells: a row per
     method (EATA with its Fisher penalty a row of its own), a column per variant, mean ± std
     (np.std) over seeds; the other runs (smoke, --limit, other C, lr or constants, a partial
     stream) listed apart, never in the paper's cells. A cell is the run key without the seed;
-    a key finished twice counts once (its latest record). Then the attempts: each cell's runs
-    started against those finished (a killed attempt released its steps too)."""
+    a key finished twice counts once (its latest record). Then the attempts: the runs started
+    against those finished, and each run started and never finished (its steps were released
+    too) or finished twice."""
+    require(os.path.isfile(path), f"--summarize {path}: no such file")
     cells, attempts = {}, {}
     for record in read_records(path):
         key = record["key"]
-        cell = json.dumps({k: v for k, v in key.items() if k != "seed"}, sort_keys=True)
-        counts = attempts.setdefault(cell, dict(start=0, run=0))
-        if record["kind"] in counts:
-            counts[record["kind"]] += 1
+        attempts.setdefault(json.dumps(key, sort_keys=True), []).append(record["kind"])
         if record["kind"] == "run":
+            cell = json.dumps({k: v for k, v in key.items() if k != "seed"}, sort_keys=True)
             cells.setdefault(cell, {})[key.get("seed")] = record  # the latest wins
-    if not cells:
-        print(f"{path} holds no finished run")
-        return 0
     tables, others = {}, []
     for cell, runs in cells.items():
         key, top1 = json.loads(cell), [run["mean_top1"] for run in runs.values()]
@@ -1561,12 +1468,13 @@ def summarize(path):
             others.append(f"  {shown}  " + " ".join(f"{k}={v}" for k, v in key.items()))
             continue
         title = f"{key['dataset']} severity {key['severity']} | {key['setting']} | {key['model']}"
-        title += f" | {key['device']}"
         method = key["method"].removeprefix("dp_")
         if key["fisher_data"] is not None:  # EATA with its Fisher penalty: a row of its own
             method += "+fisher"
-        row = tables.setdefault(title, {}).setdefault(method, {})
-        row[column_of(key)] = shown
+        column = "clip-only" if key["clip"] is not None else "non-private"  # an original's
+        if key["method"].startswith("dp_"):
+            column = f"ε={float(key['eps']):g}"  # (a number, or "inf")
+        tables.setdefault(f"{title} | {key['device']}", {}).setdefault(method, {})[column] = shown
     columns = ["non-private", "clip-only"] + [f"ε={e:g}" for e in (*TUNED_EPS, math.inf)]
     order = [m.name for m in (SOURCE, *ORIGINALS)]  # the paper's rows; eata+fisher after eata
     for title, rows in tables.items():
@@ -1578,12 +1486,12 @@ def summarize(path):
     if others:
         print("other runs, not the paper's cells (mean ± std (seeds), key):")
         print("\n".join(others))
-    started = sum(c["start"] for c in attempts.values())
-    finished = sum(c["run"] for c in attempts.values())
-    print(f"attempts: {started} started, {finished} finished")
-    for cell, counts in attempts.items():
-        if counts["start"] > counts["run"]:  # killed ones: their steps were released too
-            print(f"  {counts['start']} started, {counts['run']} finished: {cell}")
+    kinds = [kind for seen in attempts.values() for kind in seen]
+    print(f"attempts: {kinds.count('start')} started, {kinds.count('run')} finished")
+    for key, seen in attempts.items():  # a killed run released its steps too
+        started, finished = seen.count("start"), seen.count("run")
+        if started > finished or finished > 1:
+            print(f"  {started} started, {finished} finished: {key}")
     return 0
 
 
@@ -1602,9 +1510,7 @@ def benchmark(args):
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(args.device)
     x = torch.randn(batch, *model.pretrained_cfg["input_size"], device=args.device)
-    autocast = contextlib.nullcontext()
-    if args.device == "cuda":
-        autocast = torch.autocast("cuda", torch.bfloat16)
+    autocast = torch.autocast(args.device, torch.bfloat16, enabled=args.device == "cuda")
     # every filter open (H < ln K, but for a uniform softmax; PLPD >= −1) and no reset
     wide_open = dict(e_margin=1.0, d_margin=math.inf, deyo_margin=1.0, plpd_threshold=-2.0)
     wide_open.update(reset_ema=-math.inf)
@@ -1619,16 +1525,14 @@ def benchmark(args):
             kwargs.update((k, v) for k, v in wide_open.items() if k in names)
             adapters[base.name, variant] = DPTTA(copy.deepcopy(model), method, lr=1e-5, **kwargs)
     times = {row: [] for row in adapters}
-    with warnings.catch_warnings():  # the per-sample pass's loop, timed as the method: refused
-        warnings.filterwarnings("error", ".*has no vmap batching rule")
-        for _ in range(rounds + 1):  # the first round warms up
-            for row, adapter in adapters.items():
-                t0 = time.perf_counter()
-                with autocast:
-                    adapter(x)
-                if args.device == "cuda":
-                    torch.cuda.synchronize()
-                times[row].append(time.perf_counter() - t0)
+    torch._C._functorch._set_vmap_fallback_enabled(False)  # a loop, timed as the method: refused
+    for _ in range(rounds + 1):  # the first round warms up
+        for row, adapter in adapters.items():
+            t0 = time.perf_counter()
+            with autocast:
+                adapter(x)
+            torch.get_device_module(args.device).synchronize()
+            times[row].append(time.perf_counter() - t0)
     print(f"benchmark | {name} | batch {batch} | {args.device} | {rounds} interleaved rounds")
     print(f"{'method':<12}{'plain ms':>10}{'clip-only':>11}{'DP ε=5':>9}  (median; ratio to plain)")
     for base in ORIGINALS:
@@ -1644,23 +1548,20 @@ def main(argv=None):
     sys.stdout.reconfigure(line_buffering=True)  # a progress line shows when printed
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dptta-synthetic-") as tmp:
+        try:  # the library's checks, a missing folder or file, weights that do not fit: exit 2
+            if args.summarize:
+                return summarize(args.summarize)
+            if args.benchmark:
+                return benchmark(args)
+            run = prepare(args, tmp)
+        except (ValueError, OSError, RuntimeError) as e:
+            fail(e)
         try:
-            try:  # the library's checks, a missing folder or file, weights that do not fit
-                if args.summarize:
-                    require(
-                        os.path.isfile(args.summarize), f"--summarize {args.summarize}: no file"
-                    )
-                    return summarize(args.summarize)
-                if args.benchmark:
-                    return benchmark(args)
-                run = prepare(args, tmp)
-            except (ValueError, OSError, RuntimeError) as e:
-                fail(e)
-            if run is None:
-                return 0
-            return adapt(args, *run)
+            return 0 if run is None else adapt(args, *run)  # None: finished already
         except UnreadableImage as e:  # (from a loader's worker: its message ends with ours)
             return stop(3, f"cannot read {str(e).splitlines()[-1].split('UnreadableImage: ')[-1]}")
+        except OSError as e:  # a record that cannot be appended (a full disk)
+            return stop(3, f"cannot append to {args.out}: {e}")
         except KeyboardInterrupt:
             return stop(130, f"{args.method} interrupted")
 

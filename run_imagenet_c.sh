@@ -4,38 +4,22 @@
 #   ./run_imagenet_c.sh --dry-run   print the cells' commands, one a line; run nothing
 #   ./run_imagenet_c.sh             run them, a worker per visible GPU (one on the CPU if none),
 #                                   then python dptta.py --summarize "$OUT"
-# dptta.py fills in the paper's C and lr; a clip-only cell passes the paper's clip-only C, and
-# the filtered runs the constants the paper's scripts changed (dptta.py's PAPER_CLIP_ONLY and
-# PAPER_CONSTANTS; a test ties the copies below to them). Environment (lists of words):
-#   METHODS (source tent eata sar deyo deyo_come), VARIANTS (plain clip dp), EPSILONS (20 15 10
-#   5 1), SETTINGS (continual episodic), SEEDS (0 1 2); OUT (results.jsonl: dptta.py skips a cell
-#   finished there, so a rerun goes on); FISHER_DATA (EATA's public clean images, passed to its
-#   cells alone: not ImageNet val, which ImageNet-C is made from); EXTRA (flags for every cell,
-#   as "--limit 100"); PYTHON (python3); IMAGENET_C (the data root; needed by all but --dry-run).
-# Paths are the caller's: relative ones from the folder it runs in. A bad value stops the grid
-# before its first cell (exit 2); a failed cell is named, the others run, and the grid exits 1
-# after the summary; Ctrl-C or SIGTERM stops every worker and its cell.
+# Environment: METHODS, VARIANTS (plain clip dp), EPSILONS, SETTINGS, SEEDS (lists of words); OUT
+# (results.jsonl: a cell finished there is skipped); FISHER_DATA (EATA's public clean images, not
+# ImageNet val); EXTRA (flags for every cell, none the grid sets); PYTHON (python3); IMAGENET_C.
+# Paths are the caller's. A bad value stops the grid before its first cell (exit 2); a failed cell
+# or summary is named, the others run, and the grid exits 1; Ctrl-C or SIGTERM stops it all.
 set -euo pipefail
 set -f  # no globbing: a cell's and EXTRA's words reach dptta.py as --dry-run prints them
 dptta="$(dirname "$0")/dptta.py"  # (no cd: OUT, IMAGENET_C and FISHER_DATA stay the caller's)
-
 die() { echo "run_imagenet_c.sh: $*" >&2; exit 2; }
-dry=0
-for arg in "$@"; do
-  if [ "$arg" = --dry-run ]; then dry=1; else die "unknown argument $arg (only --dry-run)"; fi
-done
+case "$*" in "") dry=0 ;; --dry-run) dry=1 ;; *) die "unknown argument $* (only --dry-run)" ;; esac
 METHODS=${METHODS-source tent eata sar deyo deyo_come}; VARIANTS=${VARIANTS-plain clip dp}
 EPSILONS=${EPSILONS-20 15 10 5 1}; SETTINGS=${SETTINGS-continual episodic}; SEEDS=${SEEDS-0 1 2}
-OUT=${OUT:-results.jsonl}; EXTRA=${EXTRA:-}; PYTHON=${PYTHON:-python3}
-FISHER_DATA=${FISHER_DATA:-}
-
-# check NAME REGEX WHAT: each word of $NAME matches REGEX; set but empty is refused (a part of the
-# grid would go silently)
-check() {
+OUT=${OUT:-results.jsonl}; EXTRA=${EXTRA:-}; PYTHON=${PYTHON:-python3}; FISHER_DATA=${FISHER_DATA:-}
+check() {  # check NAME REGEX WHAT: each word of $NAME matches REGEX; set but empty is refused
   [ -n "${!1// /}" ] || die "$1 is empty: unset it, or give it $3"
-  for word in ${!1}; do
-    [[ $word =~ ^($2)$ ]] || die "$1: '$word' is not $3"
-  done
+  for word in ${!1}; do [[ $word =~ ^($2)$ ]] || die "$1: '$word' is not $3"; done
 }
 check METHODS 'source|tent|eata|sar|deyo|deyo_come' "one of source tent eata sar deyo deyo_come"
 check VARIANTS 'plain|clip|dp' "one of plain clip dp"
@@ -43,88 +27,80 @@ check SETTINGS 'continual|episodic' "one of continual episodic"
 check SEEDS '-?[0-9]+' "an integer"
 # ε: a decimal with a digit that is not 0 (0, 0.0, 0e5 are not > 0), and maybe an exponent
 check EPSILONS '([0-9]*[1-9][0-9]*\.?[0-9]*|[0-9]*\.[0-9]*[1-9][0-9]*)([eE][-+]?[0-9]+)?' "a number > 0"
-[[ " $EXTRA " != *" --fisher-data"* ]] || die "EXTRA: --fisher-data goes in FISHER_DATA (EATA's)"
+for word in $EXTRA; do  # a flag the grid sets: EXTRA's, the last, would win over the cell's
+  case ${word%%=*} in
+    --fisher-data) die "EXTRA: --fisher-data goes in FISHER_DATA (EATA's cells alone)" ;;
+    --method | --eps | --clip | --hp | --setting | --seed | --out | --device)
+      die "EXTRA: ${word%%=*} is the grid's own, set for each cell by its variables" ;;
+  esac
+done
 if [ $dry = 0 ]; then
   [ -d "${IMAGENET_C:-}" ] || die "IMAGENET_C='${IMAGENET_C:-}' is not a folder: set it to ImageNet-C's root"
   [ -d "$(dirname "$OUT")" ] || die "OUT=$OUT: its folder $(dirname "$OUT") is not there"
+  [ ! -e "$OUT" ] || [ -f "$OUT" ] || die "OUT=$OUT is not a regular file: its records would be lost"
   [ -z "$FISHER_DATA" ] || [ -d "$FISHER_DATA" ] || die "FISHER_DATA=$FISHER_DATA is not a folder"
   command -v "$PYTHON" > /dev/null || die "PYTHON=$PYTHON is not a command"
-  # PYTHON imports dptta, each ε is one it serves (finite, > 0, within its reach) and EXTRA
-  # parses as its flags: checked once, here, not by every cell
-  check='import sys; sys.path.insert(0, sys.argv[1]); import dptta
-for eps in sys.argv[2].split(): dptta.calibrate_sigma(eps=dptta.epsilon(eps), delta=1e-6)
-dptta.parse_args(sys.argv[3:])'
-  # shellcheck disable=SC2086  # EXTRA is a list of words
+  # once, not in every cell: PYTHON imports dptta, each ε is one it serves, EXTRA (a list of
+  # words) parses as its flags, and the root holds the folder of every stream the cells read
+  check='import os, sys; sys.path.insert(0, sys.argv[1]); import dptta
+for eps in sys.argv[2].split(): dptta.calibrate_sigma(eps=float(eps), delta=1e-6)
+args = dptta.parse_args(sys.argv[3:])
+for c in args.corruptions:
+    root = os.path.join(args.data, c, str(args.severity))
+    dptta.require(args.dataset == "imagenet_r" or os.path.isdir(root), f"no {root}: not ImageNet-C")'
   why=$("$PYTHON" -c "$check" "$(dirname "$dptta")" "$EPSILONS" $EXTRA 2>&1 > /dev/null) ||
     die "PYTHON=$PYTHON, EPSILONS=$EPSILONS, EXTRA=$EXTRA: ${why##*$'\n'}"
 fi
-
-# The paper's values a cell passes (see the header); dptta.py's tables hold the same
+# A clip-only cell passes the paper's clip-only C, a filtered one the constants the paper's
+# scripts changed (a test ties them to dptta.py's tables); dptta.py fills in the rest
 declare -A CLIP_ONLY_C=(
   [continual/tent]=0.1 [continual/eata]=0.1 [continual/sar]=1 [continual/deyo]=10
   [continual/deyo_come]=20 [episodic/tent]=1 [episodic/eata]=30 [episodic/sar]=5
   [episodic/deyo]=35 [episodic/deyo_come]=20)
 declare -A CONSTANTS=([sar]="--hp e_margin=0.5" [deyo]="--hp plpd_threshold=0.3"
   [deyo_come]="--hp plpd_threshold=0.3")
-
 cells=()  # each a line of dptta.py flags
-for setting in $SETTINGS; do
-  for seed in $SEEDS; do
-    run="--setting $setting --seed $seed"
-    for method in $METHODS; do
-      if [ "$method" = source ]; then cells+=("--method source $run"); continue; fi
-      filters=${CONSTANTS[$method]:-}
-      for variant in $VARIANTS; do
-        case $variant in
-          plain) cells+=("--method $method ${filters:+$filters }$run") ;;
-          clip) cells+=("--method $method --clip ${CLIP_ONLY_C[$setting/$method]} ${filters:+$filters }$run") ;;
-          dp) for eps in $EPSILONS; do cells+=("--method dp_$method --eps $eps $run"); done ;;
-        esac
-      done
-    done
+for setting in $SETTINGS; do for seed in $SEEDS; do for method in $METHODS; do
+  run="--setting $setting --seed $seed" filters=${CONSTANTS[$method]:-}
+  if [ "$method" = source ]; then cells+=("--method source $run"); continue; fi
+  for variant in $VARIANTS; do
+    case $variant in
+      plain) cells+=("--method $method ${filters:+$filters }$run") ;;
+      clip) cells+=("--method $method --clip ${CLIP_ONLY_C[$setting/$method]} ${filters:+$filters }$run") ;;
+      dp) for eps in $EPSILONS; do cells+=("--method dp_$method --eps $eps $run"); done ;;
+    esac
   done
-done
-
-# The GPUs: CUDA_VISIBLE_DEVICES's where it is set ("" is none), else nvidia-smi's
-gpus=()
+done; done; done
+gpus=()  # CUDA_VISIBLE_DEVICES's where it is set ("" is none), else nvidia-smi's
 if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then
   IFS=, read -r -a gpus <<< "$CUDA_VISIBLE_DEVICES"
 elif command -v nvidia-smi > /dev/null; then
-  if listing=$(timeout 5 nvidia-smi -L 2> /dev/null); then
-    n=$(grep -c '^GPU' <<< "$listing" || true)
-    for (( g = 0; g < n; g++ )); do gpus+=("$g"); done
-  else
-    echo "run_imagenet_c.sh: nvidia-smi failed or hung: no GPU, the cells run on the CPU" >&2
-  fi
+  listing=$(timeout 5 nvidia-smi -L 2> /dev/null) ||
+    { listing=; echo "run_imagenet_c.sh: nvidia-smi failed or hung: no GPU, the cells run on the CPU" >&2; }
+  for (( g = 0; g < $(grep -c '^GPU' <<< "$listing" || true); g++ )); do gpus+=("$g"); done
 fi
-device=  # (with GPUs, dptta.py's auto picks the one its worker sets)
-if [ ${#gpus[@]} = 0 ]; then device="--device cpu"; fi
+if [ ${#gpus[@]} = 0 ]; then device="--device cpu"; else device=; fi  # (GPUs: dptta.py picks its worker's)
 nworkers=$(( ${#gpus[@]} > 0 ? ${#gpus[@]} : 1 ))
 
-eata() { [[ ${cells[$1]} =~ ^--method\ (dp_)?eata\  ]]; }  # cell $1 is EATA's: FISHER_DATA's
-command_of() {  # cell $1's command, as it runs (a cell's and EXTRA's words split at spaces)
-  local fisher=
-  if [ -n "$FISHER_DATA" ] && eata "$1"; then fisher=" --fisher-data $(printf %q "$FISHER_DATA")"; fi
-  echo "$(printf %q "$PYTHON") $(printf %q "$dptta") ${cells[$1]} --out $(printf %q "$OUT")${device:+ $device}$fisher${EXTRA:+ $EXTRA}"
+argv_of() {  # argv: cell $1's dptta.py arguments (a cell, $device and EXTRA: lists of words)
+  argv=(${cells[$1]} --out "$OUT" $device)
+  if [ -n "$FISHER_DATA" ] && [[ ${cells[$1]} =~ ^--method\ (dp_)?eata\  ]]; then argv+=(--fisher-data "$FISHER_DATA"); fi
+  argv+=($EXTRA)
 }
+command_of() { argv_of "$1"; line=$(printf '%q ' "$PYTHON" "$dptta" "${argv[@]}"); echo "${line% }"; }
 if [ $dry = 1 ]; then for j in "${!cells[@]}"; do command_of "$j"; done; exit 0; fi
 
 worker() {  # worker g: cells g, g + n, g + 2n, ... one after another, on GPU g
-  local g=$1 j rc fisher failed=0
+  local g=$1 j failed=0
   if [ ${#gpus[@]} -gt 0 ]; then export CUDA_VISIBLE_DEVICES=${gpus[$g]}; fi
   for (( j = g; j < ${#cells[@]}; j += nworkers )); do
-    rc=0 fisher=()
-    if [ -n "$FISHER_DATA" ] && eata "$j"; then fisher=(--fisher-data "$FISHER_DATA"); fi
-    # shellcheck disable=SC2086  # a cell and EXTRA are lists of words
-    "$PYTHON" "$dptta" ${cells[$j]} --out "$OUT" $device "${fisher[@]}" $EXTRA || rc=$?
-    if [ $rc != 0 ]; then
-      echo "run_imagenet_c.sh: cell failed (exit $rc): $(command_of "$j")" >&2
-      failed=1
-    fi
+    argv_of "$j"
+    "$PYTHON" "$dptta" "${argv[@]}" && continue
+    echo "run_imagenet_c.sh: cell failed (exit $?): $(command_of "$j")" >&2
+    failed=1
   done
   return $failed
 }
-
 echo "run_imagenet_c.sh: ${#cells[@]} cells on $nworkers worker(s) -> $OUT"
 set -m  # each worker in a process group of its own, which a stop ends whole: it and its cell
 pids=()
@@ -135,17 +111,10 @@ stop() {  # every worker's process group: the worker and the cell it runs
 }
 trap 'stop 130' INT  # (set before the first worker starts: none is left behind)
 trap 'stop 143' TERM
-for (( g = 0; g < nworkers; g++ )); do
-  worker "$g" &
-  pids+=($!)
-done
+for (( g = 0; g < nworkers; g++ )); do worker "$g" & pids+=($!); done
 failed=0
 for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 trap - INT TERM
 set +m
-
-"$PYTHON" "$dptta" --summarize "$OUT"
-if [ $failed = 1 ]; then
-  echo "run_imagenet_c.sh: some cells failed (each named above): the grid is incomplete" >&2
-  exit 1
-fi
+"$PYTHON" "$dptta" --summarize "$OUT" || { echo "run_imagenet_c.sh: the summary failed" >&2; failed=1; }
+[ $failed = 0 ] || { echo "run_imagenet_c.sh: some cells failed (each named above): the grid is incomplete" >&2; exit 1; }

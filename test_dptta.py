@@ -63,8 +63,6 @@ import sys
 import threading
 import time
 import types
-import urllib.error
-import urllib.request
 import warnings
 from functools import partial
 
@@ -2796,9 +2794,10 @@ class GlueHostTTAMethod(nn.Module):
     copies of the model's and the optimizer's states for reset(), and forward on a list of
     inputs that resets first when episodic and takes `steps` steps on each batch."""
 
-    def __init__(self, model, lr, episodic=False, steps=1):
+    def __init__(self, model, lr, episodic=False, steps=1, seed=0):
         super().__init__()
         self.model, self.lr, self.episodic, self.steps = model, lr, episodic, steps
+        self.cfg = types.SimpleNamespace(RNG_SEED=seed)
         self.configure_model()
         self.params, names = self.collect_params()
         self.optimizer = self.setup_optimizer()
@@ -2820,6 +2819,51 @@ class GlueHostTTAMethod(nn.Module):
         self.optimizer.load_state_dict(self.optimizer_state)
 
 
+class GlueSAM(torch.optim.Optimizer):
+    """A stand-in of SAR's SAM optimizer as hosts hold it: its base optimizer (SGD) built on its
+    own param_groups; its step, the ascent and descent, is the host's."""
+
+    def __init__(self, params, base_optimizer, **kwargs):
+        super().__init__(params, dict(rho=0.05, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+
+
+class GlueHostSAR(GlueHostTTAMethod):
+    """A stand-in of a host's SAR: its collect_params picks the norms by the originals' name
+    rule, and its setup_optimizer is SAM over SGD with momentum 0.9."""
+
+    def collect_params(self):
+        names = originals_collect_params(self.model)
+        return [self.model.get_parameter(n) for n in names], names
+
+    def setup_optimizer(self):
+        return GlueSAM(self.params, torch.optim.SGD, lr=self.lr, momentum=0.9)
+
+
+def test_the_readmes_sar_glue_takes_the_hosts_norms_sams_base_optimizer_and_seed():
+    """The README's SAR glue in the stand-in host, on a ViT of depth 6 (where "lower" and the
+    originals' names differ): θ is the host's tensors, the optimizer SAM's base SGD with
+    momentum 0.9 (not the SAM object), the seed the host's; its steps are DPTTA's run directly
+    with those (one noise_seed: equal θ after two batches)."""
+    tent, sar = readme_blocks()[3], readme_blocks()[4]
+    space = dict(TTAMethod=GlueHostTTAMethod, SAR=GlueHostSAR, dptta=dptta)
+    exec(tent, space)
+    exec(sar.replace("clip=1.0,", "clip=1.0, noise_seed=7,"), space)
+    host = space["DPSAR"](tiny_vit(depth=6), lr=0.05, seed=3)
+    names = originals_collect_params(host.model)
+    assert list(host.adapter.params) == names and host.adapter.shuffle_gen.initial_seed() == 3
+    assert type(host.adapter.opt) is torch.optim.SGD
+    assert host.adapter.opt.defaults["momentum"] == 0.9
+    direct = dptta.DPTTA(tiny_vit(depth=6), "dp_sar", eps=5, clip=1.0, norms=names, seed=3,
+                         optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+                         noise_seed=7)
+    for seed in (1, 2):
+        torch.testing.assert_close(host(images(8, seed)), direct(images(8, seed)))
+    for n, p in direct.params.items():
+        assert not torch.equal(p, direct.theta0[n])
+        assert torch.equal(host.adapter.params[n], p)
+
+
 def test_the_readmes_glue_runs_dptta_inside_a_hosts_tta_method():
     """The README's glue in the stand-in host: its steps are DPTTA's with the host's Nesterov
     SGD (the same noise_seed: equal θ after two batches), the host's train() leaves the model
@@ -2830,7 +2874,8 @@ def test_the_readmes_glue_runs_dptta_inside_a_hosts_tta_method():
     assert "clip=1.0," in block
     space = dict(TTAMethod=GlueHostTTAMethod, dptta=dptta)
     exec(block.replace("clip=1.0,", "clip=1.0, noise_seed=7,"), space)
-    host = space["DPTent"](tiny_vit(), lr=0.05)
+    host = space["DPTent"](tiny_vit(), lr=0.05, seed=4)
+    assert host.adapter.shuffle_gen.initial_seed() == 4  # the host's seed, not 0
     nesterov = partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True)
     direct = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, optimizer=nesterov,
                          noise_seed=7)
@@ -2988,7 +3033,10 @@ def cli_spy(monkeypatch, hook=None):
     return calls
 
 
-# (extra flags, what the one line says): each refused with exit 2 before the first image
+# (extra flags, what the one line says): each refused with exit 2 before the first image. The
+# mistakes users make (a method, model or data root that is not there, no GPU, a BatchNorm model
+# without --bn source, a flag the method does not read), argparse's and the library's checks,
+# and what would be silently wrong (an image twice, Fisher images from the stream, public noise)
 CLI_BAD = {
     "severity 7": (["--severity", "7"], "--severity"),
     "batch of 0": (["--batch-size", "0"], "--batch-size"),
@@ -2998,45 +3046,36 @@ CLI_BAD = {
     "eps for an original": (["--method", "tent", "--eps", "5"], "eps"),
     "eps negative": (["--eps", "-1"], "eps"),
     "delta 2": (["--delta", "2"], "delta"),
-    "clip 0": (["--clip", "0"], "clip"),
-    "lr negative": (["--lr", "-1"], "lr"),
     "eps beyond the sampler": (["--eps", "60"], "reach"),
     "constant not read": (["--method", "tent", "--hp", "e_margin=0.5"], "e_margin"),
     "constant malformed": (["--method", "dp_sar", "--hp", "rho=fast"], "--hp"),
+    "noise seed": (["--hp", "noise_seed=0"], "noise_seed"),  # the noise would be public
+    "seed as a constant": (["--hp", "seed=1"], "seed"),
     "unknown model": (["--model", "no_such_model"], "no_such_model"),
+    "a BatchNorm model without --bn source": (["--model", "resnet10t"], 'bn="source"'),
     "missing data folder": (["DATA", "--data", "{root}/nope"], "nope"),
     "missing corruption": (["DATA", "--corruptions", "gaussian_noise,fog"], "fog"),
-    "not WordNet ids": (["DATA", "--data", "{bad}", "--corruptions", "gaussian_noise"],
-                        "WordNet"),
-    "missing checkpoint": (["DATA", "--checkpoint", "{root}/nope.pth"], "nope.pth"),
     "no data at all": (["NODATA"], "no data"),
     "Fisher data inside the stream": (["DATA", "--method", "eata", "--fisher-data",
                                        "{c}/gaussian_noise/5"], "--fisher-data"),
-    "checkpoint a text file": (["DATA", "--checkpoint", "{root}/text.pth"], "text.pth"),
-    "checkpoint of another model": (["DATA", "--checkpoint", "{root}/other.pth"], "other.pth"),
-    "lr beyond float32": (["--lr", "1e308"], "lr"),
     "eps far beyond the sampler": (["--eps", "1e308"], "reach"),
-    "eps that overflows": (["--eps", "1e400"], "overflows"),
     "eps below the resolution": (["--eps", "1e-4"], "eps"),
     "delta below the resolution": (["--delta", "1e-13"], "delta"),
     "constant NaN": (["--method", "dp_eata", "--hp", "e_margin=NaN"], "e_margin"),
-    "constant patch_grid 0": (["--method", "dp_deyo", "--hp", "patch_grid=0"], "patch_grid"),
-    "constant num_classes 0": (["--method", "dp_come", "--hp", "num_classes=0"], "num_classes"),
-    "constant rho negative": (["--method", "dp_sar", "--hp", "rho=-1"], "rho"),
+    "margin as E0": (["--method", "dp_eata", "--hp", "e_margin=2.76"], "e_margin"),
     "constant a bool": (["--method", "dp_sar", "--hp", "rho=true"], "rho"),
     "constant fisher": (["--method", "eata", "--hp", "fisher=1"], "fisher"),
-    "too many synthetic images": (["--synthetic", "5000"], "--synthetic"),
     "Fisher data for tent": (["DATA", "--method", "tent", "--fisher-data", "{root}/clean"],
                              "--fisher-data"),
     "clip for source": (["--method", "source", "--clip", "1"], "--clip"),
     "delta for an original": (["--method", "tent", "--delta", "1e-5"], "--delta"),
-    "severity for ImageNet-R": (["--dataset", "imagenet_r", "--severity", "3"], "--severity"),
-    "corruptions for ImageNet-R": (["--dataset", "imagenet_r"], "--corruptions"),
-    "data with synthetic": (["--data", "{root}"], "--data"),
+    "an abbreviated flag": (["--ep", "5"], "--ep"),  # (the grid's check of EXTRA reads whole flags)
     "a corruption twice": (["--corruptions", "fog,fog"], "--corruptions"),
+    "a corruption that is a path": (["--corruptions", "../../x"], "--corruptions"),
+    "a corruption that is absolute": (["--corruptions", "/tmp/x"], "--corruptions"),
     "a linked class folder": (["DATA", "--data", "{root}/linked", "--corruptions",
-                               "gaussian_noise"], "again"),
-    "a linked corruption": (["DATA", "--data", "{root}/twice"], "again"),
+                               "gaussian_noise"], "twice"),
+    "a linked corruption": (["DATA", "--data", "{root}/twice"], "twice"),
 }
 if not torch.cuda.is_available():
     CLI_BAD["cuda without a GPU"] = (["--device", "cuda"], "--device cuda")
@@ -3063,12 +3102,50 @@ def test_cli_bad_input_is_one_line_and_exit_2_before_the_first_image(
     assert "top-1" not in stdout and not out.exists()
 
 
+# (extra flags): mistakes nobody makes twice, left to fail the way torch, timm, PIL or Python
+# fail, loudly, before the first image's result, with no record that claims one
+CLI_LOUD = {
+    "clip 0": ["--clip", "0"],
+    "lr negative": ["--lr", "-1"],
+    "lr beyond float32": ["--lr", "1e308"],
+    "constant patch_grid 0": ["--method", "dp_deyo", "--hp", "patch_grid=0"],
+    "constant num_classes 0": ["--method", "dp_come", "--hp", "num_classes=0"],
+    "not WordNet ids": ["DATA", "--data", "{bad}", "--corruptions", "gaussian_noise"],
+    "missing checkpoint": ["DATA", "--checkpoint", "{root}/nope.pth"],
+    "checkpoint a text file": ["DATA", "--checkpoint", "{root}/text.pth"],
+    "checkpoint of another model": ["DATA", "--checkpoint", "{root}/other.pth"],
+}
+
+
+@pytest.mark.parametrize("case", CLI_LOUD, ids=list(CLI_LOUD))
+def test_cli_an_improbable_mistake_fails_loudly_before_any_result(case, cli_tree, cli_models,
+                                                                  capsys, monkeypatch, tmp_path):
+    """Each fails (a non-zero exit, or an exception out of main) before the first batch's
+    prediction is counted: no per-corruption or finished-run record, no top-1 printed."""
+    extra = [a.format(root=cli_tree.root, bad=cli_tree.bad) for a in CLI_LOUD[case]]
+    base = CLI_SMOKE
+    if extra[0] == "DATA":
+        base, extra = cli_data(cli_tree), extra[1:]
+    out = tmp_path / "r.jsonl"
+    try:
+        code = dptta.main([str(a) for a in [*base, *extra, "--out", out]])
+    except SystemExit as e:
+        code = e.code
+    except Exception as e:  # torch's, timm's or Python's own error
+        code = type(e).__name__
+    stdout, _ = capsys.readouterr()
+    assert code not in (0, None), case
+    assert "top-1" not in stdout
+    assert [r["kind"] for r in cli_records(out)] in ([], ["start"])
+
+
 def test_cli_an_out_it_cannot_write_and_a_summary_of_no_file_are_one_line(tmp_path, capsys):
-    """--out in a missing folder is refused before the first image (not after a stream), and
-    --summarize of a missing file is one line, exit 2; the oracle: the message, no stream."""
+    """--out in a missing folder stops the run at its first record, before the first image
+    (not after a stream): one line, exit 3; --summarize of a missing file is one line, exit 2;
+    the oracle: the message, no stream."""
     out = tmp_path / "no such folder" / "r.jsonl"
     code, stdout, err = cli_main(capsys, *CLI_SMOKE, "--out", out)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "no such folder" in err
+    assert code == 3 and len(err.strip().splitlines()) == 1 and "no such folder" in err
     assert "top-1" not in stdout
     code, _, err = cli_main(capsys, "--summarize", tmp_path / "none.jsonl")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "none.jsonl" in err
@@ -3110,49 +3187,32 @@ def test_cli_an_unreadable_image_stops_the_run_in_one_line_naming_it(
 
 def test_cli_a_line_of_out_that_is_no_record_is_skipped_and_summaries_say_what_they_found(
         cli_models, capsys, tmp_path):
-    """--out holding a JSON list and a record without a key: the run goes on, naming both lines
-    skipped; --summarize of a file with no finished run says so in one line, and of a binary
-    file refuses it in one line (exit 2)."""
+    """--out holding a JSON list, a record without a key and one whose key is a number: the run
+    goes on, naming the lines skipped; --summarize of a file with no finished run counts its
+    start and lists the run started and never finished; a binary file's lines are skipped."""
     out = tmp_path / "r.jsonl"
-    out.write_text('[1, 2]\n{"kind": "run"}\n')
+    out.write_text('[1, 2]\n{"kind": "run"}\n{"kind": "run", "key": 5}\n')
     code, stdout, _ = cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", out)
-    assert code == 0 and f"{out}:1: skipped" in stdout and f"{out}:2: skipped" in stdout
+    assert code == 0 and all(f"{out}:{n}: skipped" in stdout for n in (1, 2, 3))
     empty = tmp_path / "none.jsonl"
     empty.write_text('[1, 2]\n{"kind": "start", "key": {"method": "tent"}}\n')
     code, stdout, _ = cli_main(capsys, "--summarize", empty)
-    assert code == 0 and stdout.splitlines()[-1] == f"{empty} holds no finished run"
+    assert code == 0 and "attempts: 1 started, 0 finished" in stdout
+    assert stdout.splitlines()[-1] == '  1 started, 0 finished: {"method": "tent"}'
     binary = tmp_path / "binary.jsonl"
     binary.write_bytes(bytes(range(256)) * 8)
-    code, _, err = cli_main(capsys, "--summarize", binary)
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "binary.jsonl" in err
+    code, stdout, _ = cli_main(capsys, "--summarize", binary)
+    assert code == 0 and "attempts: 0 started, 0 finished" in stdout
 
 
 @pytest.mark.parametrize("model,says", [("no_such_model", "no_such_model"),
                                         ("resnet18", 'bn="source"')])
 def test_cli_benchmark_of_an_unknown_or_a_batchnorm_model_is_one_line(model, says, capsys):
     """--benchmark --model of a name timm does not know, or of a BatchNorm model (whose
-    clip-only and DP steps need bn="source"): one line, exit 2."""
+    clip-only and DP steps need bn="source"): one line, exit 2, from timm and DPTTA."""
     code, _, err = cli_main(capsys, "--benchmark", "--device", "cpu", "--model", model,
                             "--batch-size", "2")
     assert code == 2 and len(err.strip().splitlines()) == 1 and says in err, err
-
-
-def test_cli_without_a_network_the_weights_error_is_quick_and_one_line(
-        cli_tree, cli_models, capsys, monkeypatch, tmp_path):
-    """A run on the Hub's weights with no network (the Hub unreachable, HF_HUB_OFFLINE unset):
-    one line that names both ways to run offline, exit 2, without asking timm (whose retries
-    take a minute); the oracle: a stand-in for the network that refuses every connection."""
-    def unreachable(*args, **kwargs):
-        raise urllib.error.URLError("no network")
-
-    asked = []
-    monkeypatch.delenv("HF_HUB_OFFLINE")
-    monkeypatch.setattr(urllib.request, "urlopen", unreachable)
-    monkeypatch.setattr(timm, "create_model", lambda *a, **k: asked.append(a))
-    flags = cli_data(cli_tree)[:2] + cli_data(cli_tree)[4:]  # no --checkpoint: the Hub's
-    code, _, err = cli_main(capsys, *flags, "--out", tmp_path / "r.jsonl")
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "HF_HUB_OFFLINE=1" in err and "--checkpoint" in err and not asked
 
 
 def test_cli_hidden_folders_and_files_hold_no_images_of_the_stream(cli_tree, cli_models, capsys,
@@ -3501,6 +3561,61 @@ def test_cli_summarize_counts_each_cells_attempts_started_and_finished(tmp_path,
     assert table["tent"]["ε=5"] == "60.0 ± 0.0 (1)"  # each run once: no attempt in a cell
 
 
+def test_cli_an_append_after_a_torn_line_starts_a_line_of_its_own_and_counts(cli_models,
+                                                                           capsys, tmp_path):
+    """--out whose last line a killed write tore (no newline): the next run's start record is a
+    line of its own, not glued to the torn one and skipped with it; --summarize counts that
+    run as started and finished. The oracle: the file's lines."""
+    out = tmp_path / "r.jsonl"
+    torn = '{"kind": "corruption", "key": {"meth'
+    out.write_text(torn)
+    assert cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", out)[0] == 0
+    lines = out.read_text().splitlines()
+    assert lines[0] == torn and json.loads(lines[1])["kind"] == "start"
+    code, stdout, _ = cli_main(capsys, "--summarize", out)
+    assert code == 0 and "attempts: 1 started, 1 finished" in stdout
+
+
+def test_cli_a_record_that_cannot_be_appended_stops_the_run_in_one_line(cli_models, capsys,
+                                                                        monkeypatch, tmp_path):
+    """A full disk at the first corruption's record: exit 3 and one line that names --out, and
+    no finished-run record; the oracle: the appends this test let through."""
+    appended, append = [], dptta.append_record
+
+    def full_disk(path, record):
+        if record["kind"] == "corruption":
+            raise OSError(28, "No space left on device")
+        appended.append(record["kind"])
+        append(path, record)
+
+    monkeypatch.setattr(dptta, "append_record", full_disk)
+    out = tmp_path / "r.jsonl"
+    code, _, err = cli_main(capsys, *CLI_SMOKE, "--method", "tent", "--out", out)
+    assert code == 3 and len(err.strip().splitlines()) == 1, err
+    assert str(out) in err and "No space left" in err and appended == ["start"]
+
+
+def test_cli_summarize_lists_runs_started_and_never_finished_or_finished_twice(tmp_path,
+                                                                              capsys):
+    """Without any finished run, a started one is listed; a key finished twice (two processes on
+    one --out) is listed too, and its cell counts it once. The oracle: the records written."""
+    killed = cli_run_record("dp_tent", "continual", 0, 60.0, eps=5.0, clip=1, lr=1e-3)
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(dict(kind="start", key=killed["key"], time=1.0)) + "\n")
+    code, out, _ = cli_main(capsys, "--summarize", path)
+    assert code == 0 and "attempts: 1 started, 0 finished" in out
+    listed = [line for line in out.splitlines() if line.startswith("  1 started, 0 finished: ")]
+    assert len(listed) == 1 and '"method": "dp_tent"' in listed[0]
+    twice = cli_run_record("tent", "continual", 0, 61.0, lr=1e-4)
+    records = [dict(kind="start", key=twice["key"], time=2.0), twice] * 2
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, _ = cli_main(capsys, "--summarize", path)
+    assert code == 0 and "attempts: 2 started, 2 finished" in out
+    assert any(line.startswith("  2 started, 2 finished: ") for line in out.splitlines())
+    table = cli_table(out, "imagenet_c severity 5 | continual | vit_base | cuda")
+    assert table["tent"]["non-private"] == "61.0 ± 0.0 (1)"
+
+
 def test_cli_sigterm_leaves_no_synthetic_tree_behind(tmp_path):
     """python dptta.py --synthetic, stopped by SIGTERM (a grid's stop) once its temporary tree
     is written: exit 143, and the tree is gone; the oracle: the temporary folder's contents."""
@@ -3682,7 +3797,7 @@ def test_cli_benchmark_steps_every_method_plain_clip_only_and_dp(capsys, monkeyp
 
     monkeypatch.setattr(dptta.DPTTA, "forward", spy)
     monkeypatch.setattr(dptta.DPTTA, "loss", loss_spy)
-    torch._C._functorch._set_vmap_fallback_enabled(True)  # the pass switches it off itself
+    torch._C._functorch._set_vmap_fallback_enabled(True)  # --benchmark switches it off
     code, out, _ = cli_main(capsys, "--benchmark", "--device", "cpu", "--model", CLI_MODEL,
                             "--batch-size", "2")
     assert code == 0 and fallbacks and not any(fallbacks)
@@ -3884,7 +3999,14 @@ GRID_BAD = {  # (variables, arguments, the name the one line gives)
     "PYTHON not a command": (dict(PYTHON="/nonexistent/python"), (), "PYTHON"),
     "FISHER_DATA not a folder": (dict(FISHER_DATA="/nonexistent/clean"), (), "FISHER_DATA"),
     "fisher data in EXTRA": (dict(EXTRA="--limit 9 --fisher-data /clean"), (), "FISHER_DATA"),
+    "OUT a folder": (dict(OUT="{tmp}"), (), "OUT"),  # every cell would fail on it
+    "OUT /dev/null": (dict(OUT="/dev/null"), (), "OUT"),  # every record would be lost
 }
+# each flag the grid sets itself, in EXTRA: argparse's last value wins, and the cells would be
+# other cells than the grid names (EXTRA='--eps 5' ran the ε = 20 cell at ε = 5)
+for flag in ("--method", "--eps", "--clip", "--hp", "--setting", "--seed", "--out", "--device"):
+    GRID_BAD[f"EXTRA {flag}"] = (dict(EXTRA=f"--limit 9 {flag} 5"), (), flag)
+    GRID_BAD[f"EXTRA {flag}=..."] = (dict(EXTRA=f"{flag}=5"), (), flag)
 
 
 def test_grid_refuses_a_bad_variable_before_its_first_cell(tmp_path):
@@ -3893,6 +4015,7 @@ def test_grid_refuses_a_bad_variable_before_its_first_cell(tmp_path):
     oracle: the fake interpreter's log of calls."""
     fake = grid_fake_python(tmp_path)
     for case, (variables, args, name) in GRID_BAD.items():
+        variables = {k: v if v is None else v.format(tmp=tmp_path) for k, v in variables.items()}
         variables = dict(dict(IMAGENET_C=str(tmp_path), PYTHON=fake), **variables)
         r = grid_run(*args, **variables)
         assert r.returncode == 2 and r.stdout == "", (case, r.stdout, r.stderr)
@@ -3966,13 +4089,15 @@ def test_grid_resolves_its_paths_against_the_callers_folder_and_gives_eata_its_f
             assert argv[argv.index("--fisher-data") + 1] == "clean"
 
 
-@pytest.mark.parametrize("variables,says", [(dict(EPSILONS="5 1e400"), "1e400"),
-                                            (dict(EPSILONS="60"), "reach"),
-                                            (dict(EXTRA="--limit 9 --nope"), "--nope")])
+@pytest.mark.parametrize("variables,says", [(dict(EPSILONS="60"), "reach"),
+                                            (dict(EXTRA="--limit 9 --nope"), "--nope"),
+                                            (dict(EXTRA="--se 1"), "--se"),
+                                            ({}, "not ImageNet-C")])
 def test_grid_asks_dptta_itself_about_its_epsilons_and_extra_before_the_first_cell(
         variables, says, tmp_path):
-    """An ε that overflows to inf (no noise at all) or lies beyond the sampler's reach, and
-    EXTRA that dptta.py's parser refuses: one line, exit 2, no cell run (the real interpreter
+    """An ε beyond the sampler's reach, EXTRA that dptta.py's parser refuses (an unknown or an
+    abbreviated flag, which could stand for the grid's --seed or --setting), and a data root
+    with no folder for the cells' streams: one line, exit 2, no cell run (the real interpreter
     checks; OUT stays unwritten)."""
     env = dict(METHODS="tent", VARIANTS="dp", SEEDS="0", SETTINGS="continual",
                IMAGENET_C=str(tmp_path), OUT=str(tmp_path / "r.jsonl"))
@@ -3980,6 +4105,17 @@ def test_grid_asks_dptta_itself_about_its_epsilons_and_extra_before_the_first_ce
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert len(r.stderr.splitlines()) == 1 and says in r.stderr, r.stderr
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_grid_ends_a_failed_summary_as_a_failed_cell(tmp_path):
+    """The cells pass and --summarize fails: the grid names the summary, says it is incomplete
+    and exits 1, as for a failed cell (not 2, a bad value's). The oracle: the fake's calls."""
+    fake = grid_fake_python(tmp_path, 'sys.exit(2 if "--summarize" in sys.argv else 0)')
+    r = grid_run(PYTHON=fake, METHODS="tent", VARIANTS="plain", SEEDS="0", SETTINGS="continual",
+                 OUT=str(tmp_path / "r.jsonl"), IMAGENET_C=str(tmp_path))
+    assert r.returncode == 1 and "the summary failed" in r.stderr
+    assert "the grid is incomplete" in r.stderr
+    assert [argv[0] for argv, _ in grid_calls(tmp_path)] == [GRID_DPTTA, GRID_DPTTA]
 
 
 @pytest.mark.parametrize("behaviour", ["sleep 60", "exit 9"])
