@@ -2819,6 +2819,16 @@ class GlueHostTTAMethod(nn.Module):
         self.optimizer.load_state_dict(self.optimizer_state)
 
 
+def glue_same_steps(host, direct):
+    """Two batches through the host and through DPTTA run directly (one noise_seed): the same
+    predictions, and the same θ, moved from θ0."""
+    for seed in (1, 2):
+        torch.testing.assert_close(host(images(8, seed)), direct(images(8, seed)))
+    for n, p in direct.params.items():
+        assert not torch.equal(p, direct.theta0[n])
+        assert torch.equal(host.adapter.params[n], p)
+
+
 class GlueSAM(torch.optim.Optimizer):
     """A stand-in of SAR's SAM optimizer as hosts hold it: its base optimizer (SGD) built on its
     own param_groups; its step, the ascent and descent, is the host's."""
@@ -2857,11 +2867,7 @@ def test_the_readmes_sar_glue_takes_the_hosts_norms_sams_base_optimizer_and_seed
     direct = dptta.DPTTA(tiny_vit(depth=6), "dp_sar", eps=5, clip=1.0, norms=names, seed=3,
                          optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9),
                          noise_seed=7)
-    for seed in (1, 2):
-        torch.testing.assert_close(host(images(8, seed)), direct(images(8, seed)))
-    for n, p in direct.params.items():
-        assert not torch.equal(p, direct.theta0[n])
-        assert torch.equal(host.adapter.params[n], p)
+    glue_same_steps(host, direct)
 
 
 def test_the_readmes_glue_runs_dptta_inside_a_hosts_tta_method():
@@ -2879,11 +2885,7 @@ def test_the_readmes_glue_runs_dptta_inside_a_hosts_tta_method():
     nesterov = partial(torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True)
     direct = dptta.DPTTA(tiny_vit(), "dp_tent", eps=5, clip=1.0, optimizer=nesterov,
                          noise_seed=7)
-    for seed in (1, 2):
-        torch.testing.assert_close(host(images(8, seed)), direct(images(8, seed)))
-    for n, p in direct.params.items():
-        assert not torch.equal(p, direct.theta0[n])
-        assert torch.equal(host.adapter.params[n], p)
+    glue_same_steps(host, direct)
     assert host.params == list(host.adapter.params.values())
     host.train()
     assert not any(m.training for m in host.model.modules())
