@@ -503,8 +503,9 @@ class Method:
     # (model, x, generator, hp) -> context, ℓ_i's other input (DeYO's softmax of the shuffled
     # x′), row i from image i alone (claim 1)
     context: Callable = None
-    # "all", or "lower": the norms below the trunk's top (SAR, DeYO)
-    norms: str = "all"
+    # "all", or "lower": the norms below the trunk's top (SAR, DeYO); or a host's choice, a
+    # predicate (name, module) or the names of its tensors (adaptable_params)
+    norms: str | Callable | list = "all"
     # (θ, θ0, hp) -> {name: gradient} of a data-free term, added after the noise
     penalty: Callable = no_penalty
     # "plain", "sam" (SAR's sharpness-aware step; its DP variant is DP-SAT) or "none"
@@ -1212,7 +1213,7 @@ def hp_value(text):
 # The flags that only some methods read: one given to another method is refused, not recorded
 # as if it had changed the result. (--hp takes only the method's constants: parse_args)
 DP, STEPPING = [n for n, m in METHODS.items() if m.dp], [n for n in METHODS if n != "source"]
-READ_BY = dict(eps=DP, delta=DP, clip=STEPPING, fisher_data=["eata", "dp_eata"])
+READ_BY = dict(eps=DP, delta=DP, clip=STEPPING, lr=STEPPING, fisher_data=["eata", "dp_eata"])
 
 
 def parse_args(argv=None):
@@ -1232,6 +1233,7 @@ def parse_args(argv=None):
     add("--dataset", default="imagenet_c", choices=("imagenet_c", "imagenet_r"))
     add("--severity", type=int, default=5, choices=range(1, 6), help="ImageNet-C's")
     add("--corruptions", default=",".join(CORRUPTIONS), help="comma-separated, in order")
+    # (episodic: θ0 and a fresh optimizer at each corruption, as the paper; not at each batch)
     add("--setting", default="continual", choices=("continual", "episodic"))
     add("--batch-size", type=positive_int, default=64)
     add("--accumulate", type=positive_int, default=1, help="a step per K batches")
@@ -1281,7 +1283,7 @@ def run_key(args, hp):
 
 def is_paper_run(args, hp):
     """Whether a run is one of the paper's cells: its C, lr and constants the paper's, on real
-    data at the paper's δ and batch. (Its streams must be whole too: adapt counts them.)"""
+    data at the paper's severity, with its ViT-B/16 weights, at its δ and batch. (Its streams must be whole too: adapt counts them.)"""
     eps = math.inf if args.eps is None else args.eps
     C, lr, _ = paper_hparams(args.method, eps, args.setting, args.clip)
     base = args.method.removeprefix("dp_")
@@ -1289,6 +1291,7 @@ def is_paper_run(args, hp):
     paper_hp = {k: v for k, v in PAPER_CONSTANTS.get(base, {}).items() if k in filters}
     whole = args.dataset == "imagenet_r" or args.corruptions == CORRUPTIONS
     real = not args.synthetic and args.limit is None and args.checkpoint is None
+    real = real and args.model == DEFAULT_MODEL and args.severity in (5, None)  # the paper's
     plain = args.delta == 1e-6 and args.batch_size == 64 and args.accumulate == 1
     # an ε the paper tuned; not COME alone, which takes Tent's row, having none of its own
     tuned = eps in (*TUNED_EPS, math.inf) and base != "come"
@@ -1328,7 +1331,8 @@ def print_header(args, adapter, source):
     dtype = "bf16 autocast" if args.device == "cuda" else "fp32"
     print(f"dptta | {args.method} | {args.model} | {args.device} | {dtype}")
     if args.synthetic:
-        print(f"SMOKE RUN: {args.synthetic} random images per corruption, random weights")
+        weights = "random weights" if args.checkpoint is None else args.checkpoint
+        print(f"SMOKE RUN: {args.synthetic} random images per corruption, {weights}")
     k, data = len(args.corruptions), f"imagenet_c severity {args.severity}"
     data = "imagenet_r" if args.dataset == "imagenet_r" else data  # (no severities)
     print(f"data: {data} | {k} stream(s) | {args.setting} | batch {args.batch_size}")
@@ -1418,7 +1422,7 @@ def adapt(args, adapter, loaders, key, paper):
                 return stop(3, f"{corruption}, batch {batch}: logits or θ not finite (--lr?)")
             hits += (logits.argmax(1).cpu() == y).sum().item()
             seen += len(y)
-            if time.time() - shown > 60:  # a progress line at least every minute
+            if time.time() - shown > 60:  # a progress line, at most one a minute
                 shown = time.time()
                 print(f"  {corruption}: {seen}/{len(loader.dataset)} images")
         with autocast:
@@ -1474,7 +1478,11 @@ def summarize(path):
         column = "clip-only" if key["clip"] is not None else "non-private"  # an original's
         if key["method"].startswith("dp_"):
             column = f"ε={float(key['eps']):g}"  # (a number, or "inf")
-        tables.setdefault(f"{title} | {key['device']}", {}).setdefault(method, {})[column] = shown
+        row = tables.setdefault(f"{title} | {key['device']}", {}).setdefault(method, {})
+        if column in row:  # another key of this cell (another data path, --bn, Fisher images)
+            others.append(f"  {shown}  (a paper cell twice) " + json.dumps(key))
+            continue
+        row[column] = shown
     columns = ["non-private", "clip-only"] + [f"ε={e:g}" for e in (*TUNED_EPS, math.inf)]
     order = [m.name for m in (SOURCE, *ORIGINALS)]  # the paper's rows; eata+fisher after eata
     for title, rows in tables.items():
@@ -1505,7 +1513,7 @@ def benchmark(args):
     name, batch, rounds = "vit_base_patch16_224", args.batch_size, 10
     if args.device == "cpu":
         name, batch, rounds = "vit_small_patch16_224", 32, 3
-    if args.model != DEFAULT_MODEL:  # --model and --batch-size, where given
+    if args.model != DEFAULT_MODEL:  # a --model given: it, at --batch-size
         name, batch = args.model, args.batch_size
     torch.manual_seed(args.seed)
     model = timm.create_model(name, pretrained=False).to(args.device)
@@ -1560,8 +1568,8 @@ def main(argv=None):
             return 0 if run is None else adapt(args, *run)  # None: finished already
         except UnreadableImage as e:  # (from a loader's worker: its message ends with ours)
             return stop(3, f"cannot read {str(e).splitlines()[-1].split('UnreadableImage: ')[-1]}")
-        except OSError as e:  # a record that cannot be appended (a full disk)
-            return stop(3, f"cannot append to {args.out}: {e}")
+        except OSError as e:  # a record that cannot be appended (a full disk), a loader's error
+            return stop(3, f"stopped (a record to {args.out}, or the stream): {e}")
         except KeyboardInterrupt:
             return stop(130, f"{args.method} interrupted")
 

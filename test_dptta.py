@@ -2859,6 +2859,8 @@ def test_the_readmes_sar_glue_takes_the_hosts_norms_sams_base_optimizer_and_seed
     space = dict(TTAMethod=GlueHostTTAMethod, SAR=GlueHostSAR, dptta=dptta)
     exec(tent, space)
     exec(sar.replace("clip=1.0,", "clip=1.0, noise_seed=7,"), space)
+    with pytest.raises(ValueError, match="one step per batch"):  # DPTent's refusal holds too
+        space["DPSAR"](tiny_vit(depth=6), lr=0.05, steps=2)
     host = space["DPSAR"](tiny_vit(depth=6), lr=0.05, seed=3)
     names = originals_collect_params(host.model)
     assert list(host.adapter.params) == names and host.adapter.shuffle_gen.initial_seed() == 3
@@ -3255,6 +3257,7 @@ def test_cli_only_whole_streams_fill_the_papers_cells(cli_models, capsys, monkey
     dptta.make_synthetic_tree(root, dptta.CORRUPTIONS, 5, 1, size=8)
     info = timm.data.ImageNetInfo()
     monkeypatch.setattr(timm.data, "ImageNetInfo", lambda: info)
+    monkeypatch.setattr(dptta, "DEFAULT_MODEL", CLI_MODEL)  # it stands in for the paper's
     flags = ["--method", "source", "--data", root, "--model", CLI_MODEL, "--workers", "0",
              "--device", "cpu"]
     for whole, out in ((50_000, tmp_path / "a.jsonl"), (1, tmp_path / "b.jsonl")):
@@ -3616,6 +3619,12 @@ def test_cli_summarize_lists_runs_started_and_never_finished_or_finished_twice(t
     assert any(line.startswith("  2 started, 2 finished: ") for line in out.splitlines())
     table = cli_table(out, "imagenet_c severity 5 | continual | vit_base | cuda")
     assert table["tent"]["non-private"] == "61.0 ± 0.0 (1)"
+    elsewhere = cli_run_record("tent", "continual", 0, 40.0, lr=1e-4, data="/other/imagenet-c")
+    path.write_text("".join(json.dumps(r) + "\n" for r in (twice, elsewhere)))
+    code, out, _ = cli_main(capsys, "--summarize", path)  # one cell, two keys: neither hidden
+    table = cli_table(out, "imagenet_c severity 5 | continual | vit_base | cuda")
+    assert table["tent"]["non-private"] == "61.0 ± 0.0 (1)"
+    assert "40.0 ± 0.0 (1)  (a paper cell twice)" in out[out.index("other runs"):]
 
 
 def test_cli_sigterm_leaves_no_synthetic_tree_behind(tmp_path):
@@ -3656,6 +3665,8 @@ def test_only_the_papers_cells_are_paper_runs():
     assert not paper("--method", "dp_tent", "--eps", "4", "--clip", "1", "--lr", "1e-3")
     assert not paper("--method", "come", "--lr", "1e-4")
     assert not paper("--method", "tent", "--lr", "1e-4", "--limit", "10")
+    assert not paper("--method", "tent", "--lr", "1e-4", "--model", "vit_small_patch16_224")
+    assert not paper("--method", "tent", "--lr", "1e-4", "--severity", "3")
     assert not paper("--method", "dp_tent", "--eps", "5", "--clip", "1", "--lr", "2e-3")
 
 
@@ -3907,6 +3918,7 @@ def test_grid_cells_are_the_papers_cells_as_dptta_prepares_them(cli_models, caps
     r = grid_run("--dry-run", SEEDS="0", EPSILONS="5")
     lines = r.stdout.splitlines()
     assert len(lines) == 2 * (1 + 5 * 3)
+    monkeypatch.setattr(dptta, "DEFAULT_MODEL", CLI_MODEL)  # it stands in for the paper's
     adapters = {}
     for line in lines:
         (method, _, clip, hp, setting, _), words = grid_cell(line)
@@ -4003,6 +4015,9 @@ GRID_BAD = {  # (variables, arguments, the name the one line gives)
     "fisher data in EXTRA": (dict(EXTRA="--limit 9 --fisher-data /clean"), (), "FISHER_DATA"),
     "OUT a folder": (dict(OUT="{tmp}"), (), "OUT"),  # every cell would fail on it
     "OUT /dev/null": (dict(OUT="/dev/null"), (), "OUT"),  # every record would be lost
+    "methods a tab": (dict(METHODS="\t"), (), "METHODS"),  # (no cell, and exit 0, before)
+    "seed with a leading zero": (dict(SEEDS="7 007"), (), "SEEDS"),  # (seed 7 twice)
+    "EXTRA --benchmark": (dict(EXTRA="--benchmark"), (), "--benchmark"),  # (no cell would run)
 }
 # each flag the grid sets itself, in EXTRA: argparse's last value wins, and the cells would be
 # other cells than the grid names (EXTRA='--eps 5' ran the ε = 20 cell at ε = 5)
@@ -4091,18 +4106,23 @@ def test_grid_resolves_its_paths_against_the_callers_folder_and_gives_eata_its_f
             assert argv[argv.index("--fisher-data") + 1] == "clean"
 
 
-@pytest.mark.parametrize("variables,says", [(dict(EPSILONS="60"), "reach"),
-                                            (dict(EXTRA="--limit 9 --nope"), "--nope"),
-                                            (dict(EXTRA="--se 1"), "--se"),
-                                            ({}, "not ImageNet-C")])
-def test_grid_asks_dptta_itself_about_its_epsilons_and_extra_before_the_first_cell(
-        variables, says, tmp_path):
-    """An ε beyond the sampler's reach, EXTRA that dptta.py's parser refuses (an unknown or an
-    abbreviated flag, which could stand for the grid's --seed or --setting), and a data root
-    with no folder for the cells' streams: one line, exit 2, no cell run (the real interpreter
-    checks; OUT stays unwritten)."""
+@pytest.mark.parametrize("variables,says", [
+    (dict(EPSILONS="60"), "reach"), (dict(EXTRA="--limit 9 --nope"), "--nope"),
+    (dict(EXTRA="--se 1"), "--se"), (dict(IMAGENET_C="{tmp}/empty"), "not ImageNet-C"),
+    (dict(SEEDS="0 0"), "a cell twice"), (dict(EPSILONS="5 5.0"), "a cell twice"),
+    (dict(METHODS="source tent", VARIANTS="plain", EXTRA="--delta 1e-5"), "--delta")])
+def test_grid_asks_dptta_itself_about_every_cell_before_the_first(variables, says, tmp_path):
+    """dptta.py itself checks each cell with EXTRA before the first runs: an ε beyond the
+    sampler's reach, EXTRA that its parser refuses (an unknown or an abbreviated flag, which
+    could stand for the grid's --seed or --setting) or that a cell's method does not read (δ for
+    source and tent), a root with no folder for a stream, and two cells that are one run (two
+    workers would release its images twice): one line, exit 2, no cell run, OUT unwritten."""
+    for corruption in dptta.CORRUPTIONS:
+        (tmp_path / corruption / "5").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
     env = dict(METHODS="tent", VARIANTS="dp", SEEDS="0", SETTINGS="continual",
                IMAGENET_C=str(tmp_path), OUT=str(tmp_path / "r.jsonl"))
+    variables = {k: v.format(tmp=tmp_path) for k, v in variables.items()}
     r = grid_run(PYTHON=sys.executable, **dict(env, **variables))
     assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
     assert len(r.stderr.splitlines()) == 1 and says in r.stderr, r.stderr
